@@ -1,0 +1,271 @@
+"""Tests of the end-to-end demo: its engine, its reference comparison and the CLI."""
+
+from __future__ import annotations
+
+import enum
+from types import SimpleNamespace
+
+import attrs
+import pytest
+import torch
+
+from omni_cache_cuda.demo import main
+from omni_cache_cuda.demo._engine import BlockAllocator, Engine, EngineConfig, block_hash
+from omni_cache_cuda.demo._model import ModelConfig, TinyCausalLM
+from omni_cache_cuda.demo._run import compare_runs
+from omni_cache_cuda.demo._stages import TALKER_KEY, DirectSink, OmniSink, Talker
+from omni_cache_cuda.demo._workload import WorkloadConfig, make_workload
+
+# Small enough to run in a few seconds on 2 cores, large enough that cached blocks are evicted
+# and recycled while shared prefixes still hit.
+_WORKLOAD = WorkloadConfig(num_requests=40, seed=3)
+_ENGINE = EngineConfig(num_blocks=96, max_batched_tokens=128, max_num_seqs=12)
+
+
+def _run(config: EngineConfig, specs, model):
+    talker = Talker({s.req_id: len(s.prompt) for s in specs}, d_model=model.config.d_model)
+    report = Engine(model, config).run(specs, DirectSink(talker))
+    return report, talker
+
+
+@pytest.fixture(scope="module")
+def kv_runs():
+    """Run the small workload without and with KV prefix caching, without the omni cache."""
+    specs = make_workload(_WORKLOAD)
+    model = TinyCausalLM(ModelConfig(seed=3))
+    ref = _run(attrs.evolve(_ENGINE, enable_prefix_caching=False), specs, model)
+    cached = _run(_ENGINE, specs, model)
+    return specs, ref, cached
+
+
+def test_kv_prefix_caching_reuses_and_recycles_blocks(kv_runs):
+    """The workload hits shared prefixes and the engine evicts and recycles cached blocks."""
+    _, (ref, _), (cached, _) = kv_runs
+    assert ref.hit_tokens == 0
+    assert cached.hit_rate > 0.3
+    assert cached.evictions > 0
+    assert cached.block_reuses > 0
+    assert cached.computed_tokens < ref.computed_tokens
+    assert len(cached.aborted) == len(ref.aborted) > 0
+
+
+def test_kv_prefix_caching_matches_full_recompute(kv_runs):
+    """Rows computed on top of cached KV equal the full recompute's rows, and so do the tokens."""
+    specs, (ref, ref_talker), (cached, talker) = kv_runs
+    assert cached.outputs == ref.outputs
+    worst = 0.0
+    hit_chunks = 0
+    for spec in specs:
+        ref_hidden, ref_talker_h = ref_talker.rows(spec.req_id)
+        for start, hidden, talker_h in talker.chunks(spec.req_id):
+            rows = slice(start, start + hidden.shape[0])
+            worst = max(worst, float((hidden - ref_hidden[rows]).abs().max()))
+            torch.testing.assert_close(talker_h, ref_talker_h[rows], rtol=1e-4, atol=1e-5)
+        hit_chunks += talker.chunks(spec.req_id)[0][0] > 0
+    assert hit_chunks > 0
+    assert worst < 1e-4
+
+
+def test_kv_only_run_leaves_hit_prefix_rows_missing(kv_runs):
+    """Without the omni cache the talker misses the hit prefix rows, and the comparison says so."""
+    specs, ref, cached = kv_runs
+    cmp = compare_runs(specs, ref, cached)
+    assert cmp.incomplete
+    assert not cmp.ok(1e-4)
+
+
+def test_comparison_catches_a_perturbed_row(kv_runs):
+    """A single wrong element in one request's rows fails the comparison."""
+    specs, ref, _ = kv_runs
+    ref_report, ref_talker = ref
+    bad = Talker({s.req_id: len(s.prompt) for s in specs}, d_model=128)
+    victim = specs[5].req_id
+    for spec in specs:
+        for start, hidden, talker_h in ref_talker.chunks(spec.req_id):
+            if spec.req_id == victim and start == 0:
+                hidden = hidden.clone()
+                hidden[-1, 7] += 0.01
+            bad.consume(spec.req_id, start, hidden, talker_h)
+    cmp = compare_runs(specs, ref, (ref_report, bad))
+    assert not cmp.incomplete
+    assert cmp.max_abs_hidden == pytest.approx(0.01, rel=1e-3)
+    assert not cmp.ok(1e-4)
+    assert compare_runs(specs, ref, ref).ok(0.0)
+
+
+def test_block_allocator_reuses_least_recently_freed_and_evicts():
+    """Freed blocks come back oldest first, tail before head, and reuse drops their hash."""
+    alloc = BlockAllocator(4, 2)
+    first = alloc.allocate(2)
+    h0 = block_hash(None, [1, 2])
+    h1 = block_hash(h0, [3, 4])
+    assert alloc.cache(first[0], h0) and alloc.cache(first[1], h1)
+    assert not alloc.cache(first[1], h0)
+    alloc.free(first)
+    assert alloc.lookup([h0, h1]) == first
+    alloc.allocate(2)  # the two never-used blocks
+    assert alloc.allocate(1) == [first[1]]  # the tail block of the freed request goes first
+    assert alloc.lookup([h0, h1]) == [first[0]]
+    assert alloc.evictions == 1 and alloc.reuses == 1
+    alloc.check_invariants()
+
+
+def test_block_hash_chains_on_the_parent():
+    """Equal blocks after different prefixes hash differently."""
+    assert block_hash(None, [5, 6]) != block_hash(block_hash(None, [1, 2]), [5, 6])
+    assert block_hash(None, [5, 6]) == block_hash(None, (5, 6))
+
+
+class _Kind(enum.Enum):
+    STARTED = "started"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@attrs.frozen(kw_only=True)
+class _Event:
+    req_id: str
+    kind: _Kind
+    hit_end: int = 0
+    block_ids: tuple[int, ...] = ()
+    scheduled_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class _Step:
+    events: tuple[_Event, ...]
+    scheduled_tokens: dict[str, int]
+
+
+@attrs.frozen(kw_only=True)
+class _Layout:
+    ranges: dict[str, tuple[int, int]]
+    slots: list[int]
+
+    @classmethod
+    def from_block_tables(cls, *, order, num_scheduled, num_computed, block_ids, block_size):
+        ranges, slots, row = {}, [], 0
+        for r in order:
+            for pos in range(num_computed[r], num_computed[r] + num_scheduled[r]):
+                slots.append(block_ids[r][pos // block_size] * block_size + pos % block_size)
+            ranges[r] = (row, row + num_scheduled[r])
+            row += num_scheduled[r]
+        return cls(ranges=ranges, slots=slots)
+
+
+#: The names OmniSink takes from the library, for the stand-in manager below.
+_API = SimpleNamespace(
+    PrefixCacheEventKind=_Kind,
+    PrefixCacheRequestEvent=_Event,
+    PrefixCacheStep=_Step,
+    PrefixCacheWriteLayout=_Layout,
+)
+
+
+class _NaiveManager:
+    """A deliberately naive stand-in for the cache: a dict mirror read back at save time.
+
+    It checks the engine-facing protocol as it goes (events before saves, hits block aligned,
+    every saved request started and not ended, each step id consumed once). ``forget_hits``
+    makes it a known-bad cache that serves zeros for hit prefixes.
+    """
+
+    def __init__(self, block_size: int, *, forget_hits: bool = False) -> None:
+        self.block_size = block_size
+        self.forget_hits = forget_hits
+        self.mirror: dict[tuple[str, int], torch.Tensor] = {}
+        self.live: set[str] = set()
+        self.hits: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.steps: dict[int, dict] = {}
+        self.next_step = 1
+        self.consumed = 0
+
+    def new_step_starts(self, step: _Step) -> None:
+        self.hits = {}
+        for e in sorted(step.events, key=lambda e: e.kind is _Kind.STARTED):
+            if e.kind is _Kind.STARTED:
+                assert e.req_id not in self.live
+                assert e.hit_end % self.block_size == 0
+                self.live.add(e.req_id)
+                if e.hit_end:
+                    self.hits[e.req_id] = (e.hit_end, e.block_ids)
+            else:
+                self.live.remove(e.req_id)
+
+    def save_outputs(self, hidden, mm, *, num_tokens_unpadded, num_tokens_padded, write_layout):
+        assert num_tokens_padded is None and len(write_layout.slots) == num_tokens_unpadded
+        tensors = {"hidden": hidden, **mm}
+        for name, t in tensors.items():
+            for row, slot in enumerate(write_layout.slots):
+                self.mirror[(name, slot)] = t[row].clone()
+        saved = {}
+        for r, (lo, hi) in write_layout.ranges.items():
+            assert r in self.live, r
+            saved[r] = {}
+            for name, t in tensors.items():
+                rows = t[lo:hi].clone()
+                if r in self.hits:
+                    hit_end, blocks = self.hits[r]
+                    bs = self.block_size
+                    slots = [blocks[p // bs] * bs + p % bs for p in range(hit_end)]
+                    prefix = torch.stack([self.mirror[(name, s)] for s in slots])
+                    rows = torch.cat(
+                        [torch.zeros_like(prefix) if self.forget_hits else prefix, rows]
+                    )
+                saved[r][name] = rows
+        step_id = self.next_step
+        self.next_step += 1
+        self.steps[step_id] = saved
+        return step_id
+
+    def materialize(self, step_id, req_ids):
+        saved = self.steps.pop(step_id)
+        self.consumed += 1
+        hidden = {r: saved[r]["hidden"] for r in req_ids}
+        return SimpleNamespace(
+            hidden_states=hidden,
+            mm_outputs={TALKER_KEY: {r: saved[r][TALKER_KEY] for r in req_ids}},
+        )
+
+    def discard_step(self, step_id):
+        del self.steps[step_id]
+        self.consumed += 1
+
+
+@pytest.mark.parametrize("forget_hits", [False, True])
+def test_omni_sink_feeds_the_talker_full_prompt_rows(kv_runs, forget_hits):
+    """Through a correct stand-in cache the talker matches the recompute; a forgetful one fails."""
+    specs, ref, _ = kv_runs
+    model = TinyCausalLM(ModelConfig(seed=3))
+    talker = Talker({s.req_id: len(s.prompt) for s in specs}, d_model=model.config.d_model)
+    mgr = _NaiveManager(_ENGINE.block_size, forget_hits=forget_hits)
+    sink = OmniSink(mgr, talker, block_size=_ENGINE.block_size, api=_API)
+    try:
+        report = Engine(model, _ENGINE).run(specs, sink)
+    finally:
+        sink.close()
+    assert mgr.consumed == report.steps and not mgr.steps
+    assert not mgr.live  # the trailing finish events were delivered
+    cmp = compare_runs(specs, ref, (report, talker))
+    assert not cmp.incomplete
+    assert cmp.ok(1e-4) is not forget_hits
+
+
+def test_demo_quick_run_matches_full_recompute(capsys):
+    """The quick demo serves prefix hits through the omni cache and matches the full recompute."""
+    import omni_cache_cuda
+
+    if not hasattr(omni_cache_cuda, "OmniPrefixCacheManager"):
+        pytest.skip("omni_cache_cuda does not export OmniPrefixCacheManager yet")
+    assert main(["demo", "--quick", "--device", "cpu", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: differences within" in out
+    rate = float(out.split("prefix hit rate")[1].split("%")[0])
+    assert rate > 30.0
+
+
+def test_demo_rejects_unknown_flags():
+    """An unknown flag is a usage error (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--no-such-flag"])
+    assert exc.value.code == 2
