@@ -1,0 +1,203 @@
+"""Cost of the pure core per step cycle (start, save, the writes landing, consume).
+
+Sizes: num_blocks=16384, block_size=16, two cached keys (hidden and one mm key).
+- decode: 256 requests x 1 token;
+- prefill: 16 requests x 512 tokens, half of them starting with a 256-token hit.
+Targets: <= 150 us per decode step, <= 1 ms per prefill step, <= 8 bytes of occupancy
+metadata per (slot, key).
+
+Times are the thread's CPU time (time.thread_time), so other load on the machine does not
+inflate them.
+
+Run: python bench/core_step.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from omni_cache_core import (
+    HIDDEN_KEY,
+    PrefixCacheConfig,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    ReqId,
+    TensorName,
+)
+from omni_cache_core._core import CacheCore
+from omni_cache_core._values import (
+    ConsumeBegin,
+    ConsumeEnd,
+    ConsumePlan,
+    CopyLanded,
+    CopyStarted,
+    PageClaimed,
+    SaveBegin,
+    SaveCommit,
+    SaveProceed,
+    StartStep,
+    StepWrite,
+    WriteLanded,
+)
+
+NUM_BLOCKS = 16384
+BLOCK_SIZE = 16
+MM_KEY = TensorName("talker.h")
+KEYS = (HIDDEN_KEY, MM_KEY)
+
+
+def cycle(core: CacheCore, step: PrefixCacheStep, req_ids, bounds, slots) -> None:
+    """One whole step cycle as an inline adapter drives it."""
+    core.start_step(StartStep(step=step, now_ns=0))
+    core.save_begin(
+        SaveBegin(
+            now_ns=0,
+            req_ids=req_ids,
+            row_bounds=bounds,
+            slots=slots,
+            num_tokens=len(slots),
+            immediate_keys=KEYS,
+            immediate_bytes=len(slots) * 4096,
+        )
+    )
+    effect = core.save_proceed(SaveProceed(now_ns=0))
+    assert isinstance(effect, PageClaimed), effect
+    published = core.save_commit(SaveCommit(now_ns=0))
+    for eff in published.effects:
+        if isinstance(eff, StepWrite):
+            core.report(CopyStarted(tid=eff.tid))
+            core.report(CopyLanded(tid=eff.tid))
+            core.report(WriteLanded(tid=eff.tid))
+    plan = core.consume_begin(ConsumeBegin(step_id=published.step_id, req_ids=req_ids, now_ns=0))
+    assert isinstance(plan, ConsumePlan), plan
+    core.consume_end(ConsumeEnd(step_id=published.step_id))
+
+
+def bench_decode(steps: int) -> list[float]:
+    config = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    core = CacheCore(config)
+    reqs = tuple(ReqId(f"d{i}") for i in range(256))
+    blocks_per_req = 64  # 1024 positions each
+    start = PrefixCacheStep(
+        events=[PrefixCacheRequestEvent(req_id=r, kind=PrefixCacheEventKind.STARTED) for r in reqs]
+    )
+    core.start_step(StartStep(step=start, now_ns=0))
+    bounds = np.arange(257, dtype=np.int64)
+    base = np.arange(256, dtype=np.int64) * blocks_per_req * BLOCK_SIZE
+    scheduled = {r: 1 for r in reqs}
+    times = []
+    for pos in range(steps):
+        step = PrefixCacheStep(scheduled_tokens=scheduled)
+        slots = base + (pos % (blocks_per_req * BLOCK_SIZE))
+        t0 = time.thread_time()
+        cycle(core, step, reqs, bounds, slots)
+        times.append(time.thread_time() - t0)
+    core.check_invariants()
+    return times
+
+
+def bench_prefill(steps: int) -> tuple[list[float], int]:
+    config = PrefixCacheConfig(
+        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, staging_capacity_tokens=8192
+    )
+    core = CacheCore(config)
+    blocks_per_req = 512 // BLOCK_SIZE
+    hit_blocks = 256 // BLOCK_SIZE
+    times = []
+    prev: tuple[ReqId, ...] = ()
+    next_block = 0
+    # The shared prefix: written once, then hit by half of each step's requests.
+    shared = list(range(hit_blocks))
+    next_block = hit_blocks
+    warm = (ReqId("warm"),)
+    core.start_step(
+        StartStep(
+            step=PrefixCacheStep(
+                events=[PrefixCacheRequestEvent(req_id="warm", kind=PrefixCacheEventKind.STARTED)]
+            ),
+            now_ns=0,
+        )
+    )
+    warm_slots = np.arange(hit_blocks * BLOCK_SIZE, dtype=np.int64)
+    cycle(
+        core,
+        PrefixCacheStep(),
+        warm,
+        np.array([0, len(warm_slots)], dtype=np.int64),
+        warm_slots,
+    )
+    prev = warm
+    for s in range(steps):
+        reqs = tuple(ReqId(f"p{s}_{i}") for i in range(16))
+        events = [
+            PrefixCacheRequestEvent(req_id=r, kind=PrefixCacheEventKind.FINISHED) for r in prev
+        ]
+        slot_runs = []
+        lengths = []
+        for i, r in enumerate(reqs):
+            if next_block + blocks_per_req > NUM_BLOCKS:
+                next_block = hit_blocks
+            own = list(range(next_block, next_block + blocks_per_req))
+            next_block += blocks_per_req
+            if i % 2 == 0:
+                blocks = shared + own[hit_blocks:]
+                events.append(
+                    PrefixCacheRequestEvent(
+                        req_id=r,
+                        kind=PrefixCacheEventKind.STARTED,
+                        hit_end=256,
+                        block_ids=blocks,
+                        scheduled_tokens=256,
+                    )
+                )
+                computed = np.asarray(blocks[hit_blocks:], dtype=np.int64)
+            else:
+                events.append(
+                    PrefixCacheRequestEvent(
+                        req_id=r, kind=PrefixCacheEventKind.STARTED, scheduled_tokens=512
+                    )
+                )
+                computed = np.asarray(own, dtype=np.int64)
+            run = (computed[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1)
+            slot_runs.append(run)
+            lengths.append(len(run))
+        slots = np.concatenate(slot_runs)
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        step = PrefixCacheStep(events=events, scheduled_tokens=dict(zip(reqs, lengths, strict=True)))
+        t0 = time.thread_time()
+        cycle(core, step, reqs, bounds, slots)
+        times.append(time.thread_time() - t0)
+        prev = reqs
+    core.check_invariants()
+    return times, core.occupancy_metadata_bytes()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    args = parser.parse_args()
+    decode = bench_decode(args.steps)[20:]
+    prefill, meta_bytes = bench_prefill(args.steps // 4)
+    prefill = prefill[5:]
+    per_slot_key = meta_bytes / (NUM_BLOCKS * BLOCK_SIZE * len(KEYS))
+    rows = [
+        ("decode step (256 x 1)", statistics.median(decode) * 1e6, 150.0),
+        ("prefill step (16 x 512, 8 hits)", statistics.median(prefill) * 1e6, 1000.0),
+    ]
+    print(f"{'what':36} {'median us':>10} {'p90 us':>9} {'target us':>10} {'ratio':>6}")
+    for (name, median, target), samples in zip(rows, (decode, prefill), strict=True):
+        p90 = sorted(samples)[int(len(samples) * 0.9)] * 1e6
+        print(f"{name:36} {median:10.1f} {p90:9.1f} {target:10.0f} {median / target:6.2f}")
+    print(
+        f"{'occupancy bytes per (slot, key)':36} {per_slot_key:10.2f} {'':9} {8:10d} "
+        f"{per_slot_key / 8:6.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

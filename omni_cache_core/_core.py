@@ -1,0 +1,1426 @@
+"""The transition core: a deterministic, sans-IO state machine for the prefix cache.
+
+Theory of operation
+-------------------
+The adapter feeds *inputs* in and executes the *effects* that come out. The core never waits,
+never reads a clock (time arrives as ``now_ns``), never touches a tensor. An illegal input raises
+a typed error and leaves the state exactly as it was; the few inputs whose rule says otherwise
+(STEP-4, a consume that raises counts as consumed) say so.
+
+Machines and the inputs each sees:
+
+- **Steps** (STEP): `SaveCommit` issues a step id; `ConsumeBegin` hands out its plan exactly once
+  (`discard_step` releases it at once, `materialize` holds its page until `ConsumeEnd`).
+- **Pages** (PAGE, D5): `staging_depth` pages, each a set of holders: ``("step", id)`` from
+  commit until the consume ends, ``("task", tid)`` from the step write's registration until it is
+  WRITTEN or FAILED, and ``("save", 0)`` for the save in progress. Free iff no holder.
+- **Slots** (SLOT, D3): per key an `OccupancyTable` (owner, version). `SaveCommit` claims the
+  step's slots for every known key: the step write for immediate keys, each request's deferred
+  write for deferred keys, explicit absence for keys the step did not emit (SLOT-4). Displaced
+  owners get tombstones (SLOT-2); `WriteLanded` commits only still-owned slots (SLOT-3).
+- **Tasks** (TASK): one step write per step (D1) and one open deferred write per request (D2),
+  moving by `_TASK_MOVES` only. Committer progress arrives as reports (`CopyStarted`,
+  `CopyLanded`, `WriteLanded`, `WriteFailed`), drained in order (D8).
+- **Requests**: `StartStep` applies finishes and aborts first, then starts (HIT-2); a finish
+  escalates the request's deferred writes (TASK-4).
+- **Budget** (BUDGET): bytes of device clones, charged per clone allocation as a ticket whose
+  viewers are the tasks reading it; released when the last viewer reaches HOST_READY or fails.
+- **Reads** (HIT, D4): hits are planned at start for prefetch and finally at commit, after the
+  step's own claims; reads of older, unconsumed steps are protected by copy-on-write (`Preserve`)
+  or marked violated.
+
+Deadlines: a save waits at most `staging_claim_timeout_s` in each of its phases (barrier, budget,
+page), a consume at most that long for the writes its hits read; each deadline starts at the
+``now_ns`` of the input that first had to wait. `next_deadline_ns()` is the earliest of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Final, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from omni_cache_core._contract import (
+    HIDDEN_KEY,
+    ModelCachePolicy,
+    PrefixCacheConfig,
+    PrefixCacheEventKind,
+    ReqId,
+    StepId,
+    TensorName,
+    Tid,
+    WriteSchedule,
+)
+from omni_cache_core._errors import (
+    BadInputError,
+    HitUnreadableError,
+    IllegalTransitionError,
+    InvariantError,
+    OversizeStepError,
+    PageTimeoutError,
+    ShutDownError,
+    StepAlreadyConsumedError,
+    UnknownStepError,
+    WaitTimeoutError,
+    WriteFailedError,
+)
+from omni_cache_core._occupancy import ABSENT, COMMITTED, OccupancyTable
+from omni_cache_core._values import (
+    AwaitPage,
+    AwaitTasks,
+    ConsumeBegin,
+    ConsumeEnd,
+    ConsumePlan,
+    CopyLanded,
+    CopyStarted,
+    DeferredChunk,
+    Effect,
+    EscalateTasks,
+    PageClaimed,
+    PrefetchRead,
+    Preserve,
+    ReadPlan,
+    Report,
+    SaveAbort,
+    SaveBegin,
+    SaveCommit,
+    SaveProceed,
+    SavePublished,
+    ShutDown,
+    SlotArray,
+    SlotSource,
+    StartStep,
+    StepWrite,
+    TaskState,
+    Tombstone,
+    WriteFailed,
+    WriteLanded,
+)
+
+__all__ = ["CacheCore", "CoreCounters"]
+
+_MAX_TID: Final = 2**31 - 1  # owner table is int32 (D3)
+
+# TASK-2: the only legal moves, as (state, report) -> next state. Anything else raises.
+_TASK_MOVES: Final[dict[tuple[TaskState, str], TaskState]] = {
+    (TaskState.PENDING, "queue"): TaskState.QUEUED,
+    (TaskState.QUEUED, "copy_started"): TaskState.COPYING,
+    (TaskState.COPYING, "copy_landed"): TaskState.HOST_READY,
+    (TaskState.HOST_READY, "write_landed"): TaskState.WRITTEN,
+    (TaskState.PENDING, "fail"): TaskState.FAILED,
+    (TaskState.QUEUED, "fail"): TaskState.FAILED,
+    (TaskState.COPYING, "fail"): TaskState.FAILED,
+    (TaskState.HOST_READY, "fail"): TaskState.FAILED,
+}
+
+_POOL: Final = np.int8(SlotSource.POOL.value)
+_AFTER_WRITE: Final = np.int8(SlotSource.AFTER_WRITE.value)
+_TASK: Final = np.int8(SlotSource.TASK.value)
+_ZEROS: Final = np.int8(SlotSource.ZEROS.value)
+_THIS_STEP: Final = np.int8(SlotSource.THIS_STEP.value)
+
+_EMPTY_SLOTS: Final = np.zeros(0, dtype=np.int64)
+
+# Save phases, in order.
+_BARRIER, _BUDGET, _PAGE, _READY = "barrier", "budget", "page", "ready"
+
+
+class CoreCounters:
+    """Plain counters the core keeps for `stats()`; not part of the snapshot."""
+
+    __slots__ = (
+        "budget_flushes",
+        "hit_requests",
+        "hit_rows",
+        "page_timeouts",
+        "steps_consumed",
+        "steps_discarded",
+        "steps_saved",
+        "wait_timeouts",
+        "writes_failed",
+    )
+
+    def __init__(self) -> None:
+        self.steps_saved = 0
+        self.steps_consumed = 0
+        self.steps_discarded = 0
+        self.hit_requests = 0
+        #: Hit rows handed out, indexed by `SlotSource` value.
+        self.hit_rows = np.zeros(len(SlotSource), dtype=np.int64)
+        self.budget_flushes = 0
+        self.page_timeouts = 0
+        self.wait_timeouts = 0
+        self.writes_failed = 0
+
+
+class _Task:
+    __slots__ = (
+        "chunks",
+        "escalated",
+        "page",
+        "req_id",
+        "schedule",
+        "slots",
+        "state",
+        "step_id",
+        "tickets",
+        "tid",
+        "tombstones",
+    )
+
+    def __init__(
+        self,
+        tid: Tid,
+        schedule: WriteSchedule,
+        state: TaskState,
+        *,
+        req_id: ReqId | None = None,
+        page: int | None = None,
+        step_id: StepId | None = None,
+    ) -> None:
+        self.tid = tid
+        self.schedule = schedule
+        self.state = state
+        self.req_id = req_id
+        self.page = page
+        self.step_id = step_id
+        self.slots: dict[TensorName, list[SlotArray]] = {}
+        self.tombstones: dict[TensorName, list[SlotArray]] = {}
+        self.tickets: set[int] = set()
+        self.chunks = 0
+        self.escalated = False
+
+    def lost_any(self, keys: Iterable[TensorName], slots: SlotArray) -> bool:
+        """Tell whether this task lost any of `slots` for any of `keys` (SLOT-5)."""
+        for key in keys:
+            lost = self.tombstones.get(key)
+            if lost and np.isin(slots, np.concatenate(lost)).any():
+                return True
+        return False
+
+
+class _Ticket:
+    __slots__ = ("nbytes", "viewers")
+
+    def __init__(self, nbytes: int, viewers: set[Tid]) -> None:
+        self.nbytes = nbytes
+        self.viewers = viewers
+
+
+class _Request:
+    __slots__ = ("open_tid", "tids")
+
+    def __init__(self) -> None:
+        self.open_tid: Tid | None = None
+        self.tids: list[Tid] = []  # unfinished deferred writes, oldest first
+
+
+class _Read:
+    __slots__ = (
+        "chunk_limit",
+        "error",
+        "has_writers",
+        "key",
+        "preserved",
+        "read_id",
+        "req_id",
+        "slots",
+        "source",
+        "step_id",
+        "step_row",
+        "version",
+        "violated",
+        "writer",
+    )
+
+    def __init__(self, read_id: int, req_id: ReqId, key: TensorName, slots: SlotArray) -> None:
+        size = len(slots)
+        self.read_id = read_id
+        self.req_id = req_id
+        self.key = key
+        self.slots = slots
+        self.step_id: StepId | None = None
+        # Defaults for a key with no table yet: every row UNKNOWN (zeros, or HIT-4 for hidden).
+        self.source: npt.NDArray[np.int8] = np.full(size, _ZEROS, dtype=np.int8)
+        self.writer: npt.NDArray[np.int32] = _zeros_i32(size)
+        self.version: npt.NDArray[np.uint32] = _zeros_u32(size)
+        self.step_row: npt.NDArray[np.int32] = _minus_one_i32(size)
+        self.preserved = np.zeros(size, dtype=np.bool_)
+        self.chunk_limit: dict[Tid, int] = {}
+        self.error: str | None = None
+        self.violated = 0
+        self.has_writers = False
+
+    def plan(self) -> ReadPlan:
+        return ReadPlan(
+            read_id=self.read_id,
+            req_id=self.req_id,
+            key=self.key,
+            slots=self.slots,
+            source=self.source,
+            writer=self.writer,
+            chunk_limit=tuple(sorted(self.chunk_limit.items())),
+            step_row=self.step_row,
+            preserved=self.preserved,
+        )
+
+    def canonical(self) -> tuple[Any, ...]:
+        return (
+            self.read_id,
+            self.req_id,
+            self.key,
+            self.step_id,
+            tuple(self.slots.tolist()),
+            tuple(self.source.tolist()),
+            tuple(self.writer.tolist()),
+            tuple(self.version.tolist()),
+            tuple(self.step_row.tolist()),
+            tuple(self.preserved.tolist()),
+            tuple(sorted(self.chunk_limit.items())),
+            self.error,
+            self.violated,
+        )
+
+
+class _Step:
+    __slots__ = (
+        "consume_deadline_ns",
+        "consuming",
+        "keys",
+        "page",
+        "reads",
+        "req_ids",
+        "row_bounds",
+        "step_id",
+        "tid",
+    )
+
+    def __init__(
+        self,
+        step_id: StepId,
+        page: int,
+        req_ids: tuple[ReqId, ...],
+        row_bounds: SlotArray,
+        keys: tuple[TensorName, ...],
+        tid: Tid | None,
+        reads: dict[ReqId, list[_Read]],
+    ) -> None:
+        self.step_id = step_id
+        self.page = page
+        self.req_ids = req_ids
+        self.row_bounds = row_bounds
+        self.keys = keys
+        self.tid = tid
+        self.reads = reads
+        self.consuming = False
+        self.consume_deadline_ns: int | None = None
+
+
+class _PendingSave:
+    __slots__ = ("charged", "deadline_ns", "inp", "page", "phase")
+
+    def __init__(self, inp: SaveBegin) -> None:
+        self.inp = inp
+        self.phase = _BARRIER
+        self.deadline_ns: int | None = None
+        self.charged = 0
+        self.page: int | None = None
+
+
+class CacheCore:
+    """The prefix cache's state machine. Not thread-safe: the adapter serialises calls.
+
+    Args:
+        config: Sizes and the timeout.
+        policy: Which keys are cached and how (`register_policy` may replace it before the
+            first step).
+    """
+
+    def __init__(self, config: PrefixCacheConfig, policy: ModelCachePolicy | None = None) -> None:
+        self.config = config
+        self.policy = policy if policy is not None else ModelCachePolicy()
+        self.counters = CoreCounters()
+        self._timeout_ns = config.staging_claim_timeout_ns
+        self._num_slots = config.num_slots
+        self._closed = False
+        self._fatal: WriteFailedError | None = None
+        self._started = False
+        self._next_step_id = 1
+        self._next_tid = 1
+        self._next_read_id = 1
+        self._pages: list[set[tuple[str, int]]] = [set() for _ in range(config.staging_depth)]
+        self._steps: dict[StepId, _Step] = {}
+        self._tasks: dict[Tid, _Task] = {}
+        self._tickets: dict[int, _Ticket] = {}
+        self._next_ticket = 1
+        self._budget_used = 0
+        self._live: dict[ReqId, _Request] = {}
+        self._tables: dict[TensorName, OccupancyTable] = {}
+        # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
+        self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
+        self._reads: dict[int, _Read] = {}  # planned reads of saved, not yet ended steps
+        self._unwritten_step_writes: set[Tid] = set()  # TASK-3: next save waits WRITTEN
+        self._escalated: set[Tid] = set()  # TASK-3: next save waits HOST_READY
+        self._save: _PendingSave | None = None
+
+    # -----------------------------------------------------------------------------------------
+    # Queries.
+
+    @property
+    def closed(self) -> bool:
+        """Whether `ShutDown` was fed in."""
+        return self._closed
+
+    @property
+    def fatal(self) -> WriteFailedError | None:
+        """The sticky write failure (FAIL-1), if any."""
+        return self._fatal
+
+    @property
+    def budget_used(self) -> int:
+        """Device clone bytes currently charged (BUDGET-1)."""
+        return self._budget_used
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages with at least one holder."""
+        return sum(1 for holders in self._pages if holders)
+
+    @property
+    def open_step_ids(self) -> tuple[StepId, ...]:
+        """Saved steps not yet consumed, by id."""
+        return tuple(sorted(s for s, step in self._steps.items() if not step.consuming))
+
+    @property
+    def installed_keys(self) -> tuple[TensorName, ...]:
+        """Cached keys seen so far, in first-seen order."""
+        return tuple(self._tables)
+
+    def occupancy_metadata_bytes(self) -> int:
+        """Bytes of every occupancy table (SLOT-6)."""
+        return sum(t.metadata_bytes for t in self._tables.values())
+
+    def task_state(self, tid: Tid) -> TaskState | None:
+        """State of a registered task, or None once it left the registry (WRITTEN or FAILED)."""
+        task = self._tasks.get(tid)
+        return task.state if task is not None else None
+
+    def presence(self, key: TensorName, slot: int) -> tuple[int, int]:
+        """Owner code and version of one (slot, key) (for tests and diagnostics)."""
+        table = self._tables.get(key)
+        if table is None:
+            return (-2, 0)
+        return (int(table.owner[slot]), int(table.version[slot]))
+
+    def step_slots_of(self, step_id: StepId) -> tuple[tuple[ReqId, ...], SlotArray]:
+        """Requests and row bounds of an unended step."""
+        step = self._steps[step_id]
+        return step.req_ids, step.row_bounds
+
+    def next_deadline_ns(self) -> int | None:
+        """The earliest deadline of any wait in progress, or None."""
+        deadlines = [s.consume_deadline_ns for s in self._steps.values()]
+        if self._save is not None:
+            deadlines.append(self._save.deadline_ns)
+        present = [d for d in deadlines if d is not None]
+        return min(present) if present else None
+
+    # -----------------------------------------------------------------------------------------
+    # Engine inputs.
+
+    def register_policy(self, policy: ModelCachePolicy) -> None:
+        """Replace the policy; only before the first step.
+
+        Raises:
+            BadInputError: A step already started; the policy is unchanged.
+        """
+        self._check_usable()
+        if self._started:
+            raise BadInputError(
+                what="register_policy",
+                expected="a call before the first step",
+                got="a call after a step started",
+            )
+        self.policy = policy
+
+    def start_step(self, inp: StartStep) -> tuple[Effect, ...]:
+        """Apply a step's lifecycle records: finishes first (HIT-2), then starts and hits.
+
+        Returns an `EscalateTasks` for finished requests' writes (TASK-4) and one
+        `PrefetchRead` per hit read with committed rows (HIT-7).
+
+        Raises:
+            BadInputError: An unaligned hit, a hit without enough blocks, a block id out of range,
+                or a request started twice in one step (HIT-1, FAIL-5); the cache is unchanged.
+        """
+        self._check_usable()
+        if self._save is not None:
+            raise BadInputError(
+                what="new_step_starts", expected="no save in progress", got="a save in progress"
+            )
+        step = inp.step
+        block_size = self.config.block_size
+        finishing: list[ReqId] = []
+        starting: list[tuple[ReqId, int, tuple[int, ...]]] = []
+        seen: set[str] = set()
+        for event in step.events:
+            req_id = cast(ReqId, event.req_id)
+            if event.kind is PrefixCacheEventKind.STARTED:
+                if req_id in seen:
+                    raise BadInputError(
+                        what=f"request {req_id!r}",
+                        expected="at most one STARTED record per step",
+                        got="two",
+                    )
+                seen.add(req_id)
+                if event.hit_end:
+                    self._check_hit(req_id, event.hit_end, event.block_ids)
+                starting.append((req_id, event.hit_end, event.block_ids))
+            else:
+                finishing.append(req_id)
+        # From here on nothing raises: the step is applied whole.
+        self._started = True
+        escalate: list[Tid] = []
+        for req_id in finishing:
+            request = self._live.pop(req_id, None)
+            if request is not None:
+                escalate.extend(self._escalate_request(request))
+        self._start_hits = {}
+        effects: list[Effect] = []
+        hit_keys = self._hit_keys(self._tables) if starting else []
+        for req_id, hit_end, block_ids in starting:
+            if req_id in self._live:
+                continue  # HIT-1: a continuation of a live request opens no hit.
+            self._live[req_id] = _Request()
+            if hit_end:
+                slots = _block_slots(block_ids[: hit_end // block_size], block_size)
+                read_ids: dict[TensorName, int] = {}
+                for key in hit_keys:
+                    read_id = self._new_read_id()
+                    read_ids[key] = read_id
+                    table = self._tables[key]
+                    committed = np.flatnonzero(table.owner[slots] == COMMITTED)
+                    if len(committed):
+                        effects.append(
+                            PrefetchRead(
+                                read_id=read_id,
+                                req_id=req_id,
+                                key=key,
+                                positions=committed,
+                                slots=slots[committed],
+                            )
+                        )
+                self._start_hits[req_id] = (slots, read_ids)
+                self.counters.hit_requests += 1
+        if escalate:
+            effects.insert(0, EscalateTasks(tids=tuple(escalate)))
+        return tuple(effects)
+
+    def save_begin(self, inp: SaveBegin) -> None:
+        """Validate a save and open it; nothing else changes until `save_commit` (D6).
+
+        Raises:
+            BadInputError: A malformed layout, a slot out of range, a request not live, a key
+                the policy does not allow, or a save already in progress (OUT-3, FAIL-5, D9).
+            OversizeStepError: More immediate rows than a page holds (PAGE-5).
+            In every case the cache is unchanged.
+        """
+        self._check_usable()
+        if self._save is not None:
+            raise BadInputError(
+                what="save_outputs", expected="one save at a time", got="a save in progress"
+            )
+        n = inp.num_tokens
+        req_ids = inp.req_ids
+        bounds = inp.row_bounds
+        slots = inp.slots
+        if n < 0 or len(slots) != n:
+            raise BadInputError(
+                what="write layout slots",
+                expected=f"one slot per unpadded token ({n})",
+                got=f"{len(slots)} slots",
+            )
+        if (
+            len(bounds) != len(req_ids) + 1
+            or bounds[0] != 0
+            or bounds[-1] != n
+            or (len(bounds) > 2 and bool((bounds[1:] < bounds[:-1]).any()))
+        ):
+            raise BadInputError(
+                what="write layout rows",
+                expected=f"contiguous row ranges from 0 to {n} in batch order",
+                got=f"bounds {bounds.tolist()[:8]}... for {len(req_ids)} requests",
+            )
+        if n and (int(slots.min()) < 0 or int(slots.max()) >= self._num_slots):
+            raise BadInputError(
+                what="slot ids",
+                expected=f"ids in [0, {self._num_slots})",
+                got=f"ids in [{int(slots.min())}, {int(slots.max())}]",
+            )
+        unique = set(req_ids)
+        if len(unique) != len(req_ids):
+            raise BadInputError(
+                what="write layout requests", expected="distinct request ids", got="a repeat"
+            )
+        if not unique <= self._live.keys():
+            missing = sorted(unique - self._live.keys())[:4]
+            raise BadInputError(
+                what="write layout requests",
+                expected="requests STARTED and not finished (D9)",
+                got=f"unknown requests {missing}",
+            )
+        self._check_keys(inp)
+        if inp.immediate_keys and n > self.config.staging_capacity_tokens:
+            raise OversizeStepError(rows=n, capacity=self.config.staging_capacity_tokens)
+        if inp.immediate_bytes < 0 or inp.deferred_bytes < 0:
+            raise BadInputError(what="clone bytes", expected=">= 0", got="a negative count")
+        self._save = _PendingSave(inp)
+
+    def save_proceed(
+        self, inp: SaveProceed
+    ) -> AwaitTasks | EscalateTasks | AwaitPage | PageClaimed:
+        """Advance the pending save through the barrier, the budget and the page claim.
+
+        Returns the wait the adapter must do before asking again (`AwaitTasks`, or an
+        `EscalateTasks` to run first, then ask again), or `PageClaimed` when the save may copy.
+
+        Raises:
+            WaitTimeoutError: The barrier (TASK-3) or a budget flush (BUDGET-2) passed its
+                deadline (FAIL-3).
+            PageTimeoutError: No page freed up in time (PAGE-4).
+            In every case the pending save stays; the adapter aborts it (`save_abort`).
+        """
+        self._check_usable()
+        save = self._require_save()
+        now = inp.now_ns
+        if save.phase == _BARRIER:
+            waits = self._barrier_waits()
+            if waits:
+                return self._await(save, now, waits, "save barrier")
+            save.phase, save.deadline_ns = _BUDGET, None
+        if save.phase == _BUDGET:
+            need = save.inp.immediate_bytes + save.inp.deferred_bytes
+            victim = self._flush_victim() if self._budget_used + need > self._budget_cap() else None
+            if victim is not None:
+                if not victim.escalated:
+                    self.counters.budget_flushes += 1
+                    self._escalate_task(victim)
+                    return EscalateTasks(tids=(victim.tid,))
+                return self._await(save, now, ((victim.tid, TaskState.WRITTEN),), "budget flush")
+            # BUDGET-2: fits, or nothing left to flush: admitted (an oversized step must not hang).
+            save.charged = need
+            self._budget_used += need
+            save.phase, save.deadline_ns = _PAGE, None
+        if save.phase == _PAGE:
+            free = next((i for i, holders in enumerate(self._pages) if not holders), None)
+            if free is None:
+                if save.deadline_ns is None:
+                    save.deadline_ns = now + self._timeout_ns
+                if now >= save.deadline_ns:
+                    self.counters.page_timeouts += 1
+                    raise PageTimeoutError(
+                        timeout_s=self.config.staging_claim_timeout_s,
+                        open_step_ids=self.open_step_ids,
+                        tasks_in_flight=[
+                            (t.tid, t.state.name)
+                            for t in self._tasks.values()
+                            if t.page is not None
+                        ],
+                    )
+                return AwaitPage(deadline_ns=save.deadline_ns)
+            self._pages[free].add(("save", 0))
+            save.page = free
+            save.phase, save.deadline_ns = _READY, None
+        assert save.page is not None
+        return PageClaimed(page=save.page)
+
+    def save_abort(self, inp: SaveAbort) -> None:
+        """Drop the pending save, its page claim and its budget charge (STEP-5). Idempotent."""
+        save = self._save
+        if save is None:
+            return
+        if save.page is not None:
+            self._pages[save.page].discard(("save", 0))
+        self._budget_used -= save.charged
+        self._save = None
+
+    def save_commit(self, inp: SaveCommit) -> SavePublished:
+        """Publish the pending save: claims, tombstones, absence, deferred chunks, reads.
+
+        Raises:
+            BadInputError: No save is ready (its page is not claimed yet); nothing changes.
+        """
+        self._check_usable()
+        save = self._require_save()
+        if save.phase != _READY or save.page is None:
+            raise BadInputError(
+                what="save commit", expected="a claimed page", got=f"phase {save.phase}"
+            )
+        sv = save.inp
+        page = save.page
+        step_id = StepId(self._next_step_id)
+        self._next_step_id += 1
+        self._save = None
+        self._pages[page].discard(("save", 0))
+        self._pages[page].add(("step", step_id))
+        n = sv.num_tokens
+        slots = sv.slots
+        effects: list[Effect] = []
+        for key in (*sv.immediate_keys, *sv.deferred_keys):
+            if key not in self._tables:
+                self._tables[key] = OccupancyTable(self._num_slots)
+
+        step_tid: Tid | None = None
+        tickets_left = save.charged
+        if n:
+            # HIT-6: protect older reads before anything changes the slots they planned on.
+            effects.extend(self._copy_on_write(slots))
+            if sv.immediate_keys:
+                step_tid = self._new_tid()
+                task = _Task(
+                    step_tid,
+                    WriteSchedule.JOIN_NEXT_STEP,
+                    TaskState.QUEUED,  # registered and dispatched in one go
+                    page=page,
+                    step_id=step_id,
+                )
+                task.chunks = 1
+                self._tasks[step_tid] = task
+                self._pages[page].add(("task", step_tid))  # PAGE-3: held before it is visible
+                self._unwritten_step_writes.add(step_tid)
+                for key in sv.immediate_keys:
+                    task.slots[key] = [slots]
+                    effects.extend(self._take(key, slots, step_tid))
+                if sv.immediate_bytes:
+                    self._add_ticket(sv.immediate_bytes, {step_tid})
+                    tickets_left -= sv.immediate_bytes
+            if sv.deferred_keys:
+                row_owner, deferred_tids = self._stage_deferred(sv, effects)
+                for key in sv.deferred_keys:
+                    effects.extend(self._take(key, slots, row_owner))
+                if sv.deferred_bytes:
+                    self._add_ticket(sv.deferred_bytes, deferred_tids)
+                    tickets_left -= sv.deferred_bytes
+            emitted = {*sv.immediate_keys, *sv.deferred_keys}
+            for key in self._tables:
+                if key not in emitted:
+                    # SLOT-4: the step's requests wrote nothing for this key: explicit absence.
+                    effects.extend(self._take(key, slots, ABSENT))
+        # Charges with no viewer (nothing was cloned after all) are given back at once.
+        self._budget_used -= tickets_left
+
+        keys = self._out_keys(sv)
+        reads = self._plan_step_reads(step_id, sv, keys)
+        self._steps[step_id] = _Step(
+            step_id, page, sv.req_ids, sv.row_bounds, keys, step_tid, reads
+        )
+        self._start_hits = {}
+        if step_tid is not None:
+            effects.append(
+                StepWrite(tid=step_tid, step_id=step_id, page=page, keys=sv.immediate_keys)
+            )
+        self.counters.steps_saved += 1
+        return SavePublished(step_id=step_id, effects=tuple(effects))
+
+    def consume_begin(self, inp: ConsumeBegin) -> ConsumePlan | AwaitTasks:
+        """Consume a step by id, exactly once (STEP-1).
+
+        A discard releases the page at once. A materialize returns the plan and keeps the page
+        until `consume_end`, or asks to wait for the immediate writes its hits read (HIT-3).
+
+        Raises:
+            UnknownStepError: The id was never issued; the cache is unchanged (STEP-2).
+            StepAlreadyConsumedError: The id was consumed; the cache is unchanged (STEP-2).
+            BadInputError: A request outside the step's layout (STEP-4); the step is consumed.
+            HitUnreadableError: A hit cannot be served (HIT-4, HIT-6); the step is consumed.
+            WaitTimeoutError: A write a hit reads did not land in time; the step is consumed.
+        """
+        self._check_usable()
+        step = self._steps.get(inp.step_id)
+        if step is None or step.consuming:
+            self._raise_unknown_step(inp.step_id)
+        assert step is not None
+        if inp.req_ids is None:
+            self._end_step(step)
+            self.counters.steps_discarded += 1
+            return ConsumePlan(
+                step_id=step.step_id, page=step.page, keys=(), reads=(), discard=True
+            )
+        requested = inp.req_ids
+        if not set(requested) <= set(step.req_ids):
+            self._end_step(step)
+            outside = sorted(set(requested) - set(step.req_ids))[:4]
+            raise BadInputError(
+                what=f"materialize(step {step.step_id}) request ids",
+                expected="a subset of the requests saved in that step (STEP-4)",
+                got=f"requests outside the save snapshot: {outside}",
+            )
+        if step.reads:
+            wanted = set(requested)
+            reads = [r for req, rs in step.reads.items() if req in wanted for r in rs]
+        else:
+            reads = []
+        waits: list[tuple[Tid, TaskState]] = []
+        for read in reads:
+            if read.error is not None or read.violated:
+                self._end_step(step)
+                reason = read.error or (
+                    f"{read.violated} hit slots reassigned before this delayed read (HIT-6)"
+                )
+                raise HitUnreadableError(
+                    req_id=read.req_id, key=read.key, reason=reason, slot_count=len(read.slots)
+                )
+            if read.has_writers:
+                pending = read.writer[(read.source == _AFTER_WRITE) & ~read.preserved]
+                for tid in np.unique(pending).tolist():
+                    if Tid(tid) in self._tasks:
+                        waits.append((Tid(tid), TaskState.WRITTEN))
+        if waits:
+            if step.consume_deadline_ns is None:
+                step.consume_deadline_ns = inp.now_ns + self._timeout_ns
+            if inp.now_ns >= step.consume_deadline_ns:
+                self._end_step(step)
+                self.counters.wait_timeouts += 1
+                tid = waits[0][0]
+                raise WaitTimeoutError(
+                    what="hit join",
+                    tid=tid,
+                    state=self._tasks[tid].state.name,
+                    timeout_s=self.config.staging_claim_timeout_s,
+                )
+            return AwaitTasks(
+                waits=tuple(sorted(set(waits))),
+                deadline_ns=step.consume_deadline_ns,
+                what="hit join",
+            )
+        step.consuming = True
+        step.consume_deadline_ns = None
+        self.counters.steps_consumed += 1
+        for read in reads:
+            self.counters.hit_rows += np.bincount(read.source, minlength=len(SlotSource))
+        return ConsumePlan(
+            step_id=step.step_id,
+            page=step.page,
+            keys=step.keys,
+            reads=tuple(read.plan() for read in reads),
+            discard=False,
+        )
+
+    def consume_end(self, inp: ConsumeEnd) -> None:
+        """Release a materialized step's page and drop its reads (D5).
+
+        Raises:
+            BadInputError: The step is not being consumed; the cache is unchanged.
+        """
+        step = self._steps.get(inp.step_id)
+        if step is None or not step.consuming:
+            raise BadInputError(
+                what=f"consume end of step {inp.step_id}",
+                expected="a step whose consume began",
+                got="no such consume",
+            )
+        self._end_step(step)
+
+    def shut_down(self, inp: ShutDown) -> None:
+        """Close the core: every later engine input raises `ShutDownError` (FAIL-4)."""
+        self._closed = True
+
+    # -----------------------------------------------------------------------------------------
+    # Committer reports.
+
+    def report(self, inp: Report) -> None:
+        """Apply one committer report (D8).
+
+        Raises:
+            IllegalTransitionError: The move is not in the TASK-2 table (a bug in the adapter);
+                the cache is unchanged.
+        """
+        if isinstance(inp, CopyStarted):
+            self._move(inp.tid, "copy_started")
+        elif isinstance(inp, CopyLanded):
+            task = self._move(inp.tid, "copy_landed")
+            self._release_tickets(task)
+            self._escalated.discard(task.tid)
+        elif isinstance(inp, WriteLanded):
+            task = self._move(inp.tid, "write_landed")
+            for key, chunks in task.slots.items():
+                self._tables[key].commit(task.tid, _concat(chunks))
+            self._retire(task)
+        elif isinstance(inp, WriteFailed):
+            task = self._move(inp.tid, "fail")
+            self.counters.writes_failed += 1
+            for key, chunks in task.slots.items():
+                self._tables[key].forget(task.tid, _concat(chunks))
+            self._release_tickets(task)
+            self._escalated.discard(task.tid)
+            self._retire(task)
+            if self._fatal is None:
+                # FAIL-1: rows behind hashes the engine already published are lost for good.
+                self._fatal = WriteFailedError(tids=(task.tid,), reason=inp.reason)
+        else:  # pragma: no cover - the type checker sees every report kind
+            raise BadInputError(what="report", expected="a committer report", got=repr(inp))
+
+    # -----------------------------------------------------------------------------------------
+    # State: snapshot and invariants.
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """Return a canonical, hashable value of the whole state (counters excluded)."""
+        save = self._save
+        return (
+            self._closed,
+            None if self._fatal is None else (self._fatal.tids, self._fatal.reason),
+            self._started,
+            self._next_step_id,
+            self._next_tid,
+            self._next_read_id,
+            tuple(tuple(sorted(holders)) for holders in self._pages),
+            tuple(
+                (
+                    s.step_id,
+                    s.page,
+                    s.req_ids,
+                    tuple(s.row_bounds.tolist()),
+                    s.keys,
+                    s.tid,
+                    s.consuming,
+                    s.consume_deadline_ns,
+                    tuple((r, tuple(x.read_id for x in rs)) for r, rs in sorted(s.reads.items())),
+                )
+                for s in sorted(self._steps.values(), key=lambda s: s.step_id)
+            ),
+            tuple(
+                (
+                    t.tid,
+                    t.schedule.value,
+                    t.req_id,
+                    t.state.name,
+                    t.page,
+                    t.step_id,
+                    t.chunks,
+                    t.escalated,
+                    tuple((k, tuple(_concat(v).tolist())) for k, v in sorted(t.slots.items())),
+                    tuple(
+                        (k, tuple(sorted(set(_concat(v).tolist()))))
+                        for k, v in sorted(t.tombstones.items())
+                        if v
+                    ),
+                    tuple(sorted(t.tickets)),
+                )
+                for t in sorted(self._tasks.values(), key=lambda t: t.tid)
+            ),
+            tuple(
+                (i, t.nbytes, tuple(sorted(t.viewers))) for i, t in sorted(self._tickets.items())
+            ),
+            self._next_ticket,
+            self._budget_used,
+            tuple((r, q.open_tid, tuple(q.tids)) for r, q in sorted(self._live.items())),
+            tuple(
+                (r, tuple(s.tolist()), tuple(sorted(ids.items())))
+                for r, (s, ids) in sorted(self._start_hits.items())
+            ),
+            tuple(read.canonical() for _, read in sorted(self._reads.items())),
+            tuple((k, t.owner.tobytes(), t.version.tobytes()) for k, t in self._tables.items()),
+            tuple(sorted(self._unwritten_step_writes)),
+            tuple(sorted(self._escalated)),
+            None
+            if save is None
+            else (
+                save.phase,
+                save.deadline_ns,
+                save.charged,
+                save.page,
+                save.inp.req_ids,
+                tuple(save.inp.row_bounds.tolist()),
+                tuple(save.inp.slots.tolist()),
+                save.inp.immediate_keys,
+                save.inp.deferred_keys,
+                save.inp.immediate_bytes,
+                save.inp.deferred_bytes,
+            ),
+        )
+
+    def check_invariants(self) -> None:
+        """Check every invariant the state must satisfy.
+
+        Raises:
+            InvariantError: One does not hold; this is a bug in the library.
+        """
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise InvariantError(what)
+
+        depth = self.config.staging_depth
+        # PAGE-2/PAGE-3: holders name live things; at most depth unconsumed steps.
+        need(len(self._steps) <= depth, "more unended steps than pages")
+        held_by_steps = set()
+        for index, holders in enumerate(self._pages):
+            for kind, ident in holders:
+                if kind == "step":
+                    need(ident in self._steps, f"page {index} held by dead step {ident}")
+                    need(self._steps[StepId(ident)].page == index, f"step {ident} on wrong page")
+                    held_by_steps.add(ident)
+                elif kind == "task":
+                    task = self._tasks.get(Tid(ident))
+                    need(task is not None, f"page {index} held by retired task {ident}")
+                    need(task is not None and task.page == index, f"task {ident} on wrong page")
+                else:
+                    need(
+                        kind == "save" and self._save is not None and self._save.page == index,
+                        f"page {index} has a stray holder {kind}",
+                    )
+        need(held_by_steps == set(self._steps), "a step without its page holder")
+        for task in self._tasks.values():
+            need(task.state not in (TaskState.WRITTEN, TaskState.FAILED), "terminal task kept")
+            if task.page is not None:
+                need(("task", task.tid) in self._pages[task.page], f"task {task.tid} lost page")
+            if task.schedule is WriteSchedule.JOIN_ON_FINISH:
+                need(task.page is None, "deferred task holds a page")
+        # BUDGET-1: the charge equals the live tickets plus the pending reservation.
+        pending = self._save.charged if self._save is not None else 0
+        need(
+            self._budget_used == sum(t.nbytes for t in self._tickets.values()) + pending,
+            "budget charge does not match live tickets",
+        )
+        for ident, ticket in self._tickets.items():
+            need(bool(ticket.viewers), f"ticket {ident} has no viewer")
+            for tid in ticket.viewers:
+                task = self._tasks.get(tid)
+                need(
+                    task is not None
+                    and task.state.value < TaskState.HOST_READY.value
+                    and ident in task.tickets,
+                    f"ticket {ident} viewed by task {tid} that no longer needs its clone",
+                )
+        # SLOT-1/D3: an owner is a registered, non-terminal task that claimed that key.
+        for key, table in self._tables.items():
+            owners = np.unique(table.owner[table.owner > 0]).tolist()
+            for tid in owners:
+                task = self._tasks.get(Tid(tid))
+                need(task is not None, f"key {key}: slot owned by retired task {tid}")
+                need(task is not None and key in task.slots, f"task {tid} owns an unclaimed key")
+            need(bool((table.owner >= -2).all()), f"key {key}: bad owner code")
+        # D2: a request's open deferred write is PENDING and not escalated.
+        for req_id, request in self._live.items():
+            if request.open_tid is not None:
+                task = self._tasks.get(request.open_tid)
+                need(
+                    task is not None and task.state is TaskState.PENDING and not task.escalated,
+                    f"request {req_id}: open deferred write {request.open_tid} is not appendable",
+                )
+            for tid in request.tids:
+                need(tid in self._tasks, f"request {req_id} tracks retired task {tid}")
+        for tid in self._unwritten_step_writes | self._escalated:
+            need(tid in self._tasks, f"waited task {tid} is not registered")
+        for read in self._reads.values():
+            need(
+                read.step_id is not None and read.step_id in self._steps,
+                f"read {read.read_id} outlived its step",
+            )
+        if self._save is not None and self._save.page is not None:
+            need(("save", 0) in self._pages[self._save.page], "pending save lost its page")
+        need(self._next_tid - 1 <= _MAX_TID, "tid overflow")
+        if self._fatal is not None:
+            need(self.counters.writes_failed > 0, "fatal without a failed write")
+
+    # -----------------------------------------------------------------------------------------
+    # Internals.
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ShutDownError()
+        if self._fatal is not None:
+            raise WriteFailedError(tids=self._fatal.tids, reason=self._fatal.reason)
+
+    def _require_save(self) -> _PendingSave:
+        if self._save is None:
+            raise BadInputError(what="save", expected="a save in progress", got="none")
+        return self._save
+
+    def _raise_unknown_step(self, step_id: StepId) -> None:
+        open_ids = self.open_step_ids
+        if 0 < step_id < self._next_step_id:
+            raise StepAlreadyConsumedError(step_id=step_id, open_step_ids=open_ids)
+        raise UnknownStepError(step_id=step_id, open_step_ids=open_ids)
+
+    def _check_hit(self, req_id: ReqId, hit_end: int, block_ids: tuple[int, ...]) -> None:
+        block_size = self.config.block_size
+        if not block_ids:
+            raise BadInputError(
+                what=f"hit of request {req_id!r} (hit_end={hit_end})",
+                expected="the request's block ids",
+                got="no block ids",
+            )
+        if hit_end % block_size:
+            raise BadInputError(
+                what=f"hit of request {req_id!r}",
+                expected=f"hit_end a multiple of block_size={block_size}",
+                got=f"hit_end={hit_end}",
+            )
+        if hit_end > len(block_ids) * block_size:
+            raise BadInputError(
+                what=f"hit of request {req_id!r}",
+                expected=f"at least {hit_end // block_size} blocks for hit_end={hit_end}",
+                got=f"{len(block_ids)} blocks",
+            )
+        hit_blocks = block_ids[: hit_end // block_size]
+        if min(hit_blocks) < 0 or max(hit_blocks) >= self.config.num_blocks:
+            raise BadInputError(
+                what=f"block ids of request {req_id!r}",
+                expected=f"ids in [0, {self.config.num_blocks})",
+                got=f"{list(hit_blocks)[:8]}",
+            )
+
+    def _check_keys(self, inp: SaveBegin) -> None:
+        deferred = self.policy.deferred_keys
+        if set(inp.deferred_keys) - deferred or set(inp.immediate_keys) & deferred:
+            raise BadInputError(
+                what="save keys",
+                expected=f"deferred keys exactly those of the policy ({sorted(deferred)})",
+                got=f"immediate {list(inp.immediate_keys)}, deferred {list(inp.deferred_keys)}",
+            )
+        caches_hidden = self.policy.needs_full_hidden_states
+        has_hidden = HIDDEN_KEY in inp.immediate_keys
+        if has_hidden != (caches_hidden and inp.num_tokens > 0):
+            raise BadInputError(
+                what="hidden states",
+                expected="hidden rows exactly when the policy caches them and the step has rows",
+                got="hidden given" if has_hidden else "no hidden rows",
+            )
+        if inp.num_tokens == 0 and (inp.immediate_keys or inp.deferred_keys):
+            raise BadInputError(what="save keys", expected="no cached keys for 0 rows", got="keys")
+        if len(set(inp.immediate_keys)) != len(inp.immediate_keys) or len(
+            set(inp.deferred_keys)
+        ) != len(inp.deferred_keys):
+            raise BadInputError(what="save keys", expected="distinct keys", got="a repeat")
+
+    def _hit_keys(self, keys: Iterable[TensorName]) -> list[TensorName]:
+        return [k for k in self.policy.get_hit_keys(keys) if k in self._tables]
+
+    def _out_keys(self, sv: SaveBegin) -> tuple[TensorName, ...]:
+        mm = sorted(k for k in (*sv.immediate_keys, *sv.deferred_keys) if k != HIDDEN_KEY)
+        if self.policy.needs_full_hidden_states:
+            return (HIDDEN_KEY, *mm)
+        return tuple(mm)
+
+    def _new_tid(self) -> Tid:
+        if self._next_tid > _MAX_TID:
+            raise InvariantError("write task ids exhausted (2**31 - 1)")
+        tid = Tid(self._next_tid)
+        self._next_tid += 1
+        return tid
+
+    def _new_read_id(self) -> int:
+        read_id = self._next_read_id
+        self._next_read_id += 1
+        return read_id
+
+    def _budget_cap(self) -> int:
+        return self.config.gpu_staging_bytes
+
+    def _barrier_waits(self) -> tuple[tuple[Tid, TaskState], ...]:
+        waits = [(tid, TaskState.WRITTEN) for tid in sorted(self._unwritten_step_writes)]
+        waits += [(tid, TaskState.HOST_READY) for tid in sorted(self._escalated)]
+        return tuple(waits)
+
+    def _await(
+        self,
+        save: _PendingSave,
+        now_ns: int,
+        waits: tuple[tuple[Tid, TaskState], ...],
+        what: str,
+    ) -> AwaitTasks:
+        if save.deadline_ns is None:
+            save.deadline_ns = now_ns + self._timeout_ns
+        if now_ns >= save.deadline_ns:
+            self.counters.wait_timeouts += 1
+            tid = waits[0][0]
+            raise WaitTimeoutError(
+                what=what,
+                tid=tid,
+                state=self._tasks[tid].state.name,
+                timeout_s=self.config.staging_claim_timeout_s,
+            )
+        return AwaitTasks(waits=waits, deadline_ns=save.deadline_ns, what=what)
+
+    def _flush_victim(self) -> _Task | None:
+        """The oldest task still holding a clone charge (BUDGET-2), or None."""
+        viewers = {tid for ticket in self._tickets.values() for tid in ticket.viewers}
+        return self._tasks[min(viewers)] if viewers else None
+
+    def _escalate_task(self, task: _Task) -> None:
+        if task.state is TaskState.PENDING:
+            self._move(task.tid, "queue")
+        task.escalated = True
+        if task.state.value < TaskState.HOST_READY.value:
+            self._escalated.add(task.tid)
+        if task.req_id is not None:
+            request = self._live.get(task.req_id)
+            if request is not None and request.open_tid == task.tid:
+                request.open_tid = None  # BUDGET-2: the next save opens a new write
+
+    def _escalate_request(self, request: _Request) -> list[Tid]:
+        """TASK-4: escalate a finished or aborted request's unfinished writes, newest first."""
+        tids = [tid for tid in reversed(request.tids) if tid in self._tasks]
+        for tid in tids:
+            self._escalate_task(self._tasks[tid])
+        request.open_tid = None
+        return tids
+
+    def _move(self, tid: Tid, how: str) -> _Task:
+        task = self._tasks.get(tid)
+        if task is None:
+            raise IllegalTransitionError(tid=tid, from_state="RETIRED", to_state=how)
+        nxt = _TASK_MOVES.get((task.state, how))
+        if nxt is None:
+            raise IllegalTransitionError(tid=tid, from_state=task.state.name, to_state=how)
+        task.state = nxt
+        return task
+
+    def _retire(self, task: _Task) -> None:
+        del self._tasks[task.tid]
+        if task.page is not None:
+            self._pages[task.page].discard(("task", task.tid))
+        self._unwritten_step_writes.discard(task.tid)
+        self._escalated.discard(task.tid)
+        if task.req_id is not None:
+            request = self._live.get(task.req_id)
+            if request is not None:
+                if task.tid in request.tids:
+                    request.tids.remove(task.tid)
+                if request.open_tid == task.tid:
+                    request.open_tid = None
+
+    def _add_ticket(self, nbytes: int, viewers: set[Tid]) -> None:
+        ident = self._next_ticket
+        self._next_ticket += 1
+        self._tickets[ident] = _Ticket(nbytes, set(viewers))
+        for tid in viewers:
+            self._tasks[tid].tickets.add(ident)
+
+    def _release_tickets(self, task: _Task) -> None:
+        """BUDGET-1: a task no longer needs its clones; the last viewer uncharges them."""
+        for ident in task.tickets:
+            ticket = self._tickets[ident]
+            ticket.viewers.discard(task.tid)
+            if not ticket.viewers:
+                self._budget_used -= ticket.nbytes
+                del self._tickets[ident]
+        task.tickets = set()
+
+    def _take(
+        self, key: TensorName, slots: SlotArray, owner: int | npt.NDArray[np.int32]
+    ) -> list[Tombstone]:
+        """Claim (or mark absent) `slots` for `key`; tombstone displaced writes (SLOT-2)."""
+        effects: list[Tombstone] = []
+        for tid, lost in self._tables[key].take(slots, owner):
+            self._tasks[Tid(tid)].tombstones.setdefault(key, []).append(lost)
+            effects.append(Tombstone(tid=Tid(tid), key=key, slots=lost))
+        return effects
+
+    def _stage_deferred(
+        self, sv: SaveBegin, effects: list[Effect]
+    ) -> tuple[npt.NDArray[np.int32], set[Tid]]:
+        """Append each request's rows to its open deferred write, or open one (D2, SLOT-5)."""
+        bounds = sv.row_bounds.tolist()
+        owners = np.zeros(sv.num_tokens, dtype=np.int32)
+        used: set[Tid] = set()
+        for i, req_id in enumerate(sv.req_ids):
+            start, end = bounds[i], bounds[i + 1]
+            if start == end:
+                continue
+            request = self._live[req_id]
+            chunk = sv.slots[start:end]
+            task = self._tasks.get(request.open_tid) if request.open_tid is not None else None
+            new_task = task is None or task.lost_any(sv.deferred_keys, chunk)
+            if new_task:
+                task = _Task(
+                    self._new_tid(), WriteSchedule.JOIN_ON_FINISH, TaskState.PENDING, req_id=req_id
+                )
+                self._tasks[task.tid] = task
+                request.open_tid = task.tid
+                request.tids.append(task.tid)
+            assert task is not None
+            task.chunks += 1
+            for key in sv.deferred_keys:
+                task.slots.setdefault(key, []).append(chunk)
+            owners[start:end] = task.tid
+            used.add(task.tid)
+            effects.append(
+                DeferredChunk(
+                    tid=task.tid, req_id=req_id, new_task=new_task, row_start=start, row_end=end
+                )
+            )
+        return owners, used
+
+    def _copy_on_write(self, slots: SlotArray) -> list[Preserve]:
+        """HIT-6: preserve committed rows older reads planned on, before `slots` change."""
+        if not self._reads:
+            return []
+        ordered = np.sort(slots)
+        effects: list[Preserve] = []
+        for read in self._reads.values():
+            table = self._tables.get(read.key)
+            if table is None:
+                continue
+            hit = _member(ordered, read.slots)
+            hit &= ~read.preserved & ((read.source == _POOL) | (read.source == _AFTER_WRITE))
+            if not hit.any():
+                continue
+            positions = np.flatnonzero(hit)
+            planned = read.slots[positions]
+            intact = (table.owner[planned] == COMMITTED) & (
+                table.version[planned] == read.version[positions]
+            )
+            if intact.any():
+                keep = positions[intact]
+                read.preserved[keep] = True
+                effects.append(
+                    Preserve(
+                        read_id=read.read_id, key=read.key, positions=keep, slots=read.slots[keep]
+                    )
+                )
+            read.violated += int((~intact).sum())
+        return effects
+
+    def _plan_step_reads(
+        self, step_id: StepId, sv: SaveBegin, keys: tuple[TensorName, ...]
+    ) -> dict[ReqId, list[_Read]]:
+        """Plan the hits of this save's requests against the post-claim state (D4).
+
+        All hit slots of the step are planned together, one gather per key, and each read gets
+        its slice: a prefill with many hits costs a few numpy calls per key, not per read.
+        """
+        in_step = set(sv.req_ids)
+        hits = [(r, h) for r, h in self._start_hits.items() if r in in_step]
+        if not hits:
+            return {}  # a hit of a request outside the layout cannot be materialized (STEP-4)
+        every = (
+            np.concatenate([slots for _, (slots, _) in hits]) if len(hits) > 1 else hits[0][1][0]
+        )
+        bounds = np.cumsum([0, *(len(slots) for _, (slots, _) in hits)]).tolist()
+        order = np.argsort(sv.slots, kind="stable")
+        # HIT-5: a producer of this very step wins over any older tenant.
+        step_row = _last_row(sv.slots[order], order, every).astype(np.int32)
+        mine = step_row >= 0
+        any_mine = bool(mine.any())
+        reads: dict[ReqId, list[_Read]] = {r: [] for r, _ in hits}
+        for key in keys:
+            table = self._tables.get(key)
+            if table is None:
+                owner = np.full(len(every), -2, dtype=np.int32)
+                version = np.zeros(len(every), dtype=np.uint32)
+            else:
+                owner = table.owner[every]
+                version = table.version[every]
+            source = np.where(owner == COMMITTED, _POOL, _ZEROS)
+            in_transit = owner > 0
+            if any_mine:
+                in_transit &= ~mine
+                source[mine] = _THIS_STEP
+            has_writers = bool(in_transit.any())
+            writer = np.where(in_transit, owner, 0).astype(np.int32) if has_writers else None
+            if has_writers:
+                deferred = key in self.policy.deferred_keys
+                source[in_transit] = _TASK if deferred else _AFTER_WRITE
+            missing = np.add.reduceat(source == _ZEROS, bounds[:-1]) if key == HIDDEN_KEY else None
+            for i, (req_id, (slots, read_ids)) in enumerate(hits):
+                lo, hi = bounds[i], bounds[i + 1]
+                read = _Read(read_ids.get(key) or self._new_read_id(), req_id, key, slots)
+                read.step_id = step_id
+                read.source = source[lo:hi]
+                read.version = version[lo:hi]
+                if any_mine:
+                    read.step_row = step_row[lo:hi]
+                if writer is not None:
+                    read.writer = writer[lo:hi]
+                    read.has_writers = bool(in_transit[lo:hi].any())
+                if missing is not None and missing[i]:
+                    # HIT-4: never a miss: the cache and the engine's KV state diverged.
+                    read.error = (
+                        f"{int(missing[i])} of {hi - lo} hidden-state rows are unknown or absent "
+                        "(never written, or written by another tenant)"
+                    )
+                if read.has_writers:
+                    self._limit_task_reads(read)
+                self._reads[read.read_id] = read
+                reads[req_id].append(read)
+        return reads
+
+    def _limit_task_reads(self, read: _Read) -> None:
+        """Pin TASK rows to the chunks that exist now; a vanished writer is an error (HIT-4)."""
+        for tid in np.unique(read.writer[read.source == _TASK]).tolist():
+            task = self._tasks.get(Tid(tid))
+            if task is None:
+                read.error = f"in-flight write {tid} cannot serve its rows"
+            else:
+                read.chunk_limit[Tid(tid)] = task.chunks
+
+    def _end_step(self, step: _Step) -> None:
+        del self._steps[step.step_id]
+        self._pages[step.page].discard(("step", step.step_id))
+        for reads in step.reads.values():
+            for read in reads:
+                self._reads.pop(read.read_id, None)
+
+
+def _zeros_i32(size: int) -> npt.NDArray[np.int32]:
+    return np.zeros(size, dtype=np.int32)
+
+
+def _zeros_u32(size: int) -> npt.NDArray[np.uint32]:
+    return np.zeros(size, dtype=np.uint32)
+
+
+def _minus_one_i32(size: int) -> npt.NDArray[np.int32]:
+    return np.full(size, -1, dtype=np.int32)
+
+
+def _block_slots(block_ids: tuple[int, ...], block_size: int) -> SlotArray:
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+
+
+def _concat(chunks: list[SlotArray]) -> SlotArray:
+    if not chunks:
+        return _EMPTY_SLOTS
+    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+
+
+def _member(ordered: SlotArray, values: SlotArray) -> npt.NDArray[np.bool_]:
+    """Which `values` occur in the sorted array `ordered`."""
+    if not len(ordered):
+        return np.zeros(len(values), dtype=np.bool_)
+    at = np.searchsorted(ordered, values)
+    at[at >= len(ordered)] = len(ordered) - 1
+    return np.asarray(ordered[at] == values)
+
+
+def _last_row(ordered: SlotArray, order: SlotArray, values: SlotArray) -> npt.NDArray[np.int64]:
+    """Row of the last occurrence of each value in the step (TASK-5), or -1."""
+    if not len(ordered):
+        return np.full(len(values), -1, dtype=np.int64)
+    at = np.searchsorted(ordered, values, side="right") - 1
+    found = at >= 0
+    found[found] = ordered[at[found]] == values[found]
+    return np.where(found, order[np.maximum(at, 0)], -1)
+
+
+def dispatch(core: CacheCore) -> dict[type, Callable[[Any], Any]]:
+    """Map each input type to the core method that handles it (for generic drivers)."""
+    return {
+        StartStep: core.start_step,
+        SaveBegin: core.save_begin,
+        SaveProceed: core.save_proceed,
+        SaveCommit: core.save_commit,
+        SaveAbort: core.save_abort,
+        ConsumeBegin: core.consume_begin,
+        ConsumeEnd: core.consume_end,
+        ShutDown: core.shut_down,
+        CopyStarted: core.report,
+        CopyLanded: core.report,
+        WriteLanded: core.report,
+        WriteFailed: core.report,
+    }

@@ -1,0 +1,68 @@
+"""Per-key slot occupancy: owner and version, 8 bytes per (slot, key) (SLOT-1, SLOT-6, D3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from omni_cache_core._values import SlotArray
+
+__all__ = ["ABSENT", "COMMITTED", "UNKNOWN", "OccupancyTable"]
+
+#: Owner codes. A positive owner is the tid of the write that holds the slot (IN_TRANSIT).
+COMMITTED = 0
+ABSENT = -1
+UNKNOWN = -2
+
+_OWNER_DTYPE = np.int32
+_VERSION_DTYPE = np.uint32
+
+
+class OccupancyTable:
+    """Owner and version of every slot for one cached key.
+
+    `owner` encodes the presence (D3): `> 0` IN_TRANSIT under that tid, `0` COMMITTED, `-1`
+    ABSENT, `-2` UNKNOWN. `version` is bumped by every claim and every explicit absence and never
+    by a commit, so a reader that recorded a version can tell whether the slot changed tenant.
+    """
+
+    __slots__ = ("owner", "version")
+
+    def __init__(self, num_slots: int) -> None:
+        self.owner: npt.NDArray[np.int32] = np.full(num_slots, UNKNOWN, dtype=_OWNER_DTYPE)
+        self.version: npt.NDArray[np.uint32] = np.zeros(num_slots, dtype=_VERSION_DTYPE)
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Bytes spent on this key's tables."""
+        return int(self.owner.nbytes + self.version.nbytes)
+
+    def take(
+        self, slots: SlotArray, new_owner: int | npt.NDArray[np.int32]
+    ) -> list[tuple[int, SlotArray]]:
+        """Give `slots` to `new_owner` (a tid, or one per slot, or ABSENT); bump versions.
+
+        Returns the displaced in-flight owners with the slots each lost (SLOT-2), in tid order.
+        """
+        previous = self.owner[slots]
+        displaced = (previous > 0) & (previous != new_owner)
+        lost: list[tuple[int, SlotArray]] = []
+        if displaced.any():
+            losers = previous[displaced]
+            lost_slots = slots[displaced]
+            for tid in np.unique(losers).tolist():
+                lost.append((int(tid), np.unique(lost_slots[losers == tid])))
+        self.owner[slots] = new_owner
+        self.version[slots] += _VERSION_DTYPE(1)
+        return lost
+
+    def commit(self, tid: int, slots: SlotArray) -> None:
+        """Mark the slots `tid` still owns COMMITTED (SLOT-3); versions are unchanged."""
+        still_owned = slots[self.owner[slots] == tid]
+        self.owner[still_owned] = COMMITTED
+
+    def forget(self, tid: int, slots: SlotArray) -> None:
+        """A failed write's slots become ABSENT with a new version: their rows are lost."""
+        still_owned = slots[self.owner[slots] == tid]
+        self.owner[still_owned] = ABSENT
+        self.version[still_owned] += _VERSION_DTYPE(1)
