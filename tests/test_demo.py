@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import io
 from types import SimpleNamespace
 
 import attrs
@@ -12,7 +13,7 @@ import torch
 from omni_cache_cuda.demo import main
 from omni_cache_cuda.demo._engine import BlockAllocator, Engine, EngineConfig, block_hash
 from omni_cache_cuda.demo._model import ModelConfig, TinyCausalLM
-from omni_cache_cuda.demo._run import compare_runs
+from omni_cache_cuda.demo._run import _Progress, compare_runs
 from omni_cache_cuda.demo._stages import TALKER_KEY, DirectSink, OmniSink, Talker
 from omni_cache_cuda.demo._workload import WorkloadConfig, make_workload
 
@@ -269,3 +270,24 @@ def test_demo_rejects_unknown_flags():
     with pytest.raises(SystemExit) as exc:
         main(["--no-such-flag"])
     assert exc.value.code == 2
+
+
+def test_demo_rejects_a_cache_too_small_for_one_request():
+    """A KV cache smaller than one request is a usage error, not a hang."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--num-blocks", "4", "--no-progress"])
+    assert exc.value.code == 2
+
+
+def test_progress_bar_draws_after_its_delay_and_ends_its_line():
+    """The progress bar stays silent before its delay, then draws the count and ends the line."""
+    stream = io.StringIO()
+    quiet = _Progress("run", stream, enabled=True, delay_s=60.0)
+    quiet(1, 10)
+    quiet.close()
+    assert stream.getvalue() == ""
+    bar = _Progress("run", stream, enabled=True, delay_s=0.0)
+    bar(5, 10)
+    bar.close()
+    assert "[###############...............] 5/10 requests" in stream.getvalue()
+    assert stream.getvalue().endswith("\n")

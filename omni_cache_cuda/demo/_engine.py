@@ -38,7 +38,7 @@ import torch
 from attrs import define, field, frozen
 from attrs.validators import gt
 
-from ._model import PagedKVCache, SeqSlice, TinyCausalLM
+from ._model import ModelConfig, PagedKVCache, SeqSlice, TinyCausalLM
 from ._workload import RequestSpec
 
 __all__ = [
@@ -341,25 +341,33 @@ class Engine:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
 
-    def _check_fits(self, spec: RequestSpec) -> None:
-        fed = len(spec.prompt) + spec.max_tokens - 1
-        if fed > self.model.config.max_positions:
-            raise ValueError(
-                f"{spec.req_id} needs {fed} positions, the model has "
-                f"{self.model.config.max_positions}"
-            )
-        if self._blocks_for(fed) > self.config.num_blocks:
-            raise ValueError(
-                f"{spec.req_id} needs {self._blocks_for(fed)} KV blocks, the cache has "
-                f"{self.config.num_blocks}"
-            )
-        if not self.config.enable_chunked_prefill and len(spec.prompt) > (
-            self.config.max_batched_tokens
-        ):
-            raise ValueError(
-                f"{spec.req_id} has a {len(spec.prompt)}-token prompt; without chunked prefill "
-                f"max_batched_tokens={self.config.max_batched_tokens} must cover it"
-            )
+    @staticmethod
+    def check_workload(
+        specs: Sequence[RequestSpec], config: EngineConfig, model_config: ModelConfig
+    ) -> None:
+        """Check that every request can run alone on an engine of this size.
+
+        Raises:
+            ValueError: A request needs more positions than the model has, more KV blocks than
+                the cache has, or (without chunked prefill) a prompt longer than the step budget.
+        """
+        for spec in specs:
+            fed = len(spec.prompt) + spec.max_tokens - 1
+            blocks = -(-fed // config.block_size)
+            if fed > model_config.max_positions:
+                raise ValueError(
+                    f"{spec.req_id} needs {fed} positions, the model has "
+                    f"{model_config.max_positions}"
+                )
+            if blocks > config.num_blocks:
+                raise ValueError(
+                    f"{spec.req_id} needs {blocks} KV blocks, the cache has {config.num_blocks}"
+                )
+            if not config.enable_chunked_prefill and len(spec.prompt) > config.max_batched_tokens:
+                raise ValueError(
+                    f"{spec.req_id} has a {len(spec.prompt)}-token prompt; without chunked "
+                    f"prefill max_batched_tokens={config.max_batched_tokens} must cover it"
+                )
 
     def run(
         self,
@@ -378,8 +386,7 @@ class Engine:
         Returns:
             Outputs and counters of the run.
         """
-        for spec in specs:
-            self._check_fits(spec)
+        self.check_workload(specs, self.config, self.model.config)
         arrivals = deque(sorted(specs, key=lambda s: s.arrival_step))
         waiting: deque[RequestSpec] = deque()
         running: dict[str, _Request] = {}

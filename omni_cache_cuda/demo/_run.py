@@ -187,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
         "--num-blocks",
         type=int,
         default=None,
-        help="KV blocks (default 320: small enough that cached blocks get recycled)",
+        help="KV blocks (default 320, 128 with --quick: small enough that cached blocks get recycled)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     mode = p.add_mutually_exclusive_group()
@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    num_requests = args.requests or (48 if args.quick else 200)
+    num_requests = args.requests if args.requests is not None else (48 if args.quick else 200)
     if num_requests <= 0:
         parser.error("--requests must be positive")
     out = sys.stdout
@@ -321,16 +321,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = TinyCausalLM(ModelConfig(seed=args.seed))
     try:
         config = EngineConfig(
-            num_blocks=args.num_blocks or 320,
+            num_blocks=args.num_blocks or (128 if args.quick else 320),
             block_size=args.block_size,
             max_batched_tokens=args.max_batched_tokens,
             max_num_seqs=args.max_num_seqs,
         )
+        Engine.check_workload(specs, config, model.config)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    # The model's ops are tiny: on a small shared CPU, intra-op threads spin against each other
+    # (and against the output builder and committer threads) and cost more than they bring.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _demo(args, specs, model, config, device, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _demo(
+    args: argparse.Namespace,
+    specs: Sequence[RequestSpec],
+    model: TinyCausalLM,
+    config: EngineConfig,
+    device: str,
+    out: TextIO,
+) -> int:
     mode = {None: "default", True: "threaded", False: "inline"}[args.threaded]
     out.write(
-        f"omni-cache demo: {num_requests} requests, device {device}, block_size "
+        f"omni-cache demo: {len(specs)} requests, device {device}, block_size "
         f"{config.block_size}, num_blocks {config.num_blocks}, max_batched_tokens "
         f"{config.max_batched_tokens}, cache writes {mode}\n"
     )
