@@ -419,6 +419,24 @@ class CacheCore:
         step = self._steps[step_id]
         return step.req_ids, step.row_bounds
 
+    def has_step(self, step_id: StepId) -> bool:
+        """Whether a step is saved and its consume has not ended."""
+        return step_id in self._steps
+
+    def reads_of(self, step_id: StepId) -> tuple[tuple[int, frozenset[Tid]], ...]:
+        """The reads a step planned, each with the deferred writes whose own rows it reads.
+
+        The adapter keeps those writes' rows reachable until the step's consume ends (HIT-3).
+        """
+        step = self._steps.get(step_id)
+        if step is None:
+            return ()
+        return tuple(
+            (read.read_id, frozenset(read.chunk_limit))
+            for reads in step.reads.values()
+            for read in reads
+        )
+
     def next_deadline_ns(self) -> int | None:
         """The earliest deadline of any wait in progress, or None."""
         deadlines = [s.consume_deadline_ns for s in self._steps.values()]

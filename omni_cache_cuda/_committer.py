@@ -1,0 +1,346 @@
+"""Write jobs and the committer that runs them: copy to host, then write to the pool.
+
+The committer never takes the manager's state lock (CONC-2). It reports each stage as a core
+report appended to a queue, and only then wakes waiters (TASK-6): a waiter drains the queue into
+the core under the state lock before it looks again. In threaded mode one daemon thread runs the
+jobs; in inline mode the same `run` executes in the caller's thread, outside the state lock
+(CONC-1). Either way the pool has a single writer at a time (CONC-4): the engine thread is the
+only caller that runs inline jobs.
+
+Lock order: manager state lock -> committer queue lock -> job lock; the signal lock is a leaf
+taken alone. The committer takes the queue lock, a job lock or the signal lock, never two.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from omni_cache_core import TensorName, Tid
+from omni_cache_core._values import CopyLanded, CopyStarted, Report, WriteFailed, WriteLanded
+from omni_cache_cuda._storage import HostPool, StagingPages
+
+__all__ = ["Chunk", "Committer", "JobStage", "Signal", "WriteJob"]
+
+
+class Signal:
+    """A generation counter waiters sleep on; bumped after every published report."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self.generation = 0
+
+    def bump(self) -> None:
+        """Wake every waiter."""
+        with self._cv:
+            self.generation += 1
+            self._cv.notify_all()
+
+    def wait(self, seen: int, timeout_s: float) -> None:
+        """Sleep until the generation moves past ``seen`` or the timeout passes."""
+        with self._cv:
+            if self.generation == seen and timeout_s > 0:
+                self._cv.wait(timeout_s)
+
+
+class JobStage(enum.Enum):
+    """Where a job is on the adapter side; only the queue lock changes it (TASK-2)."""
+
+    #: An open deferred write: takes chunks, not queued.
+    PENDING = 0
+    #: Queued (or about to run inline).
+    QUEUED = 1
+    #: Claimed by the one thread that runs its copy stage; never re-queued.
+    RUNNING = 2
+    #: Finished (written or failed).
+    DONE = 3
+
+
+class Chunk:
+    """One step's rows of a deferred write: slots and a device clone per key (then host rows)."""
+
+    __slots__ = ("device", "host", "slots")
+
+    def __init__(self, slots: torch.Tensor, device: dict[TensorName, torch.Tensor]) -> None:
+        self.slots = slots
+        self.device: dict[TensorName, torch.Tensor] | None = device
+        self.host: dict[TensorName, torch.Tensor] | None = None
+
+    def rows(self, key: TensorName) -> torch.Tensor | None:
+        """This chunk's rows of ``key``: host rows once copied, else the device clone."""
+        host = self.host  # read once: the committer sets host before it drops device
+        if host is not None:
+            return host.get(key)
+        device = self.device
+        return device.get(key) if device is not None else None
+
+
+class WriteJob:
+    """The adapter side of one write task: where its rows are and which slots it lost."""
+
+    __slots__ = (
+        "chunks",
+        "d2h_event",
+        "freeze_event",
+        "hold",
+        "keys",
+        "lock",
+        "n",
+        "page",
+        "slots",
+        "stage",
+        "tid",
+        "tombstones",
+    )
+
+    def __init__(
+        self,
+        tid: Tid,
+        keys: tuple[TensorName, ...],
+        *,
+        page: int | None = None,
+        slots: torch.Tensor | None = None,
+        d2h_event: Any = None,
+        freeze_event: Any = None,
+    ) -> None:
+        self.tid = tid
+        self.keys = keys
+        self.page = page  # a step write's page; None for a deferred write
+        self.slots = slots  # a step write's slots (one per row)
+        self.n = 0 if slots is None else len(slots)
+        self.d2h_event = d2h_event
+        self.freeze_event = freeze_event
+        self.chunks: list[Chunk] = []
+        #: Device clones kept alive until the copy that reads them is done.
+        self.hold: list[torch.Tensor] = []
+        self.stage = JobStage.QUEUED if page is not None else JobStage.PENDING
+        self.lock = threading.Lock()
+        self.tombstones: dict[TensorName, list[torch.Tensor]] = {}
+
+    @property
+    def deferred(self) -> bool:
+        """Whether this is a deferred (JOIN_ON_FINISH) write."""
+        return self.page is None
+
+    def add_tombstone(self, key: TensorName, slots: torch.Tensor) -> None:
+        """Record slots a newer write took (SLOT-2)."""
+        with self.lock:
+            self.tombstones.setdefault(key, []).append(slots)
+
+    def lost(self, key: TensorName) -> torch.Tensor | None:
+        """Every slot of ``key`` this job lost so far, or None."""
+        with self.lock:
+            parts = self.tombstones.get(key)
+            if not parts:
+                return None
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class Committer:
+    """Runs write jobs: the copy stage, then the pool write, reporting each stage.
+
+    Args:
+        pool: The host pool it writes.
+        pages: The staging pages step writes read from.
+        reports: Where reports go, in order; the manager drains it into the core.
+        signal: Bumped after reports are published.
+        threaded: Run jobs on a daemon thread (True) or in the caller's thread (False).
+        copy_stream: CUDA stream for deferred device-to-host copies, or None.
+        copy_chunk_bytes: Largest piece of one deferred copy (BUDGET-3).
+    """
+
+    def __init__(
+        self,
+        pool: HostPool,
+        pages: StagingPages,
+        reports: collections.deque[Report],
+        signal: Signal,
+        *,
+        threaded: bool,
+        copy_stream: Any = None,
+        copy_chunk_bytes: int,
+    ) -> None:
+        self.pool = pool
+        self.pages = pages
+        self.reports = reports
+        self.signal = signal
+        self.threaded = threaded
+        self.copy_stream = copy_stream
+        self.copy_chunk_bytes = copy_chunk_bytes
+        #: Test hook: called with a job before its pool write; an exception fails the job.
+        self.fault: Callable[[WriteJob], None] | None = None
+        self.rows_written: collections.Counter[str] = collections.Counter()
+        self.bytes_to_host = 0
+        self.bytes_to_pool = 0
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: collections.deque[WriteJob] = collections.deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(
+                target=self._loop, name="omni-prefix-cache-committer", daemon=True
+            )
+            self._thread.start()
+
+    # -----------------------------------------------------------------------------------------
+    # Called by the manager (never under the committer's own locks).
+
+    def submit(self, job: WriteJob) -> None:
+        """Queue a step write at the back, or run it now in inline mode."""
+        if not self.threaded:
+            if self._claim(job):
+                self.run(job)
+            return
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify()
+
+    def escalate(self, jobs: Iterable[WriteJob]) -> None:
+        """Move jobs to the front, the first listed first (TASK-4); running ones stay (TASK-2).
+
+        Inline mode runs them now, in order, in the caller's thread.
+        """
+        jobs = list(jobs)
+        if not self.threaded:
+            for job in jobs:
+                if self._claim(job):
+                    self.run(job)
+            return
+        with self._cv:
+            for job in reversed(jobs):
+                if job.stage is JobStage.PENDING:
+                    job.stage = JobStage.QUEUED
+                elif job.stage is JobStage.QUEUED:
+                    with contextlib.suppress(ValueError):
+                        self._queue.remove(job)
+                else:
+                    continue  # TASK-2: a job that started copying is never queued again
+                self._queue.appendleft(job)
+            self._cv.notify()
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop the thread after the jobs already queued; wait at most ``timeout_s``."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # -----------------------------------------------------------------------------------------
+    # The job itself.
+
+    def _claim(self, job: WriteJob) -> bool:
+        """Take a job for running; False when another thread has it already (TASK-2)."""
+        with self._cv:
+            if job.stage in (JobStage.PENDING, JobStage.QUEUED):
+                job.stage = JobStage.RUNNING
+                return True
+            return False
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                # TASK-2: claimed in the same critical section as the pop, so an escalation
+                # sees it running and never queues it again.
+                job.stage = JobStage.RUNNING
+            self.run(job)  # FAIL-2: run never raises; the loop goes on
+
+    def run(self, job: WriteJob) -> None:
+        """Copy a claimed job's rows to the host and write them to the pool; never raises.
+
+        Reports CopyStarted, CopyLanded and WriteLanded, or WriteFailed at the first error
+        (FAIL-1, FAIL-2), each published before the waiters are woken (TASK-6).
+        """
+        self.reports.append(CopyStarted(tid=job.tid))
+        try:
+            if job.deferred:
+                self._copy_deferred(job)
+            elif job.d2h_event is not None:
+                job.d2h_event.synchronize()  # the whole-step copy into the page (PAGE-6)
+                job.hold = []
+            self.reports.append(CopyLanded(tid=job.tid))
+            self.signal.bump()
+            if self.fault is not None:
+                self.fault(job)
+            self._write_pool(job)
+            self.reports.append(WriteLanded(tid=job.tid))
+        except Exception as exc:  # FAIL-2: fail the task, keep the committer alive
+            self.reports.append(WriteFailed(tid=job.tid, reason=f"{type(exc).__name__}: {exc}"))
+        finally:
+            with self._cv:
+                job.stage = JobStage.DONE
+            self.signal.bump()
+
+    def _copy_deferred(self, job: WriteJob) -> None:
+        """Copy a deferred job's device clones to host rows, in pieces (BUDGET-3)."""
+        stream = self.copy_stream
+        if stream is None:
+            # CPU: the clones already are host rows.
+            for chunk in job.chunks:
+                chunk.host = chunk.device
+                chunk.device = None
+            return
+        with torch.cuda.stream(stream):
+            if job.freeze_event is not None:
+                stream.wait_event(job.freeze_event)  # DEV-1
+            hosts: list[dict[TensorName, torch.Tensor]] = [{} for _ in job.chunks]
+            for key in job.keys:
+                parts = [
+                    (i, c.device[key])
+                    for i, c in enumerate(job.chunks)
+                    if c.device and key in c.device
+                ]
+                if not parts:
+                    continue
+                src = parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts])
+                host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                row_bytes = max(1, src[0].numel() * src.element_size()) if len(src) else 1
+                step = max(1, self.copy_chunk_bytes // row_bytes)
+                for start in range(0, len(src), step):
+                    host[start : start + step].copy_(src[start : start + step], non_blocking=True)
+                offset = 0
+                for i, part in parts:
+                    hosts[i][key] = host[offset : offset + len(part)]
+                    offset += len(part)
+                self.bytes_to_host += host.numel() * host.element_size()
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        for chunk, host_rows in zip(job.chunks, hosts, strict=True):
+            chunk.host = host_rows  # host first: readers pick host before device
+            chunk.device = None
+
+    def _write_pool(self, job: WriteJob) -> None:
+        """Write the job's rows to the pool, skipping slots a newer write took (SLOT-2, TASK-5)."""
+        for key in job.keys:
+            if job.deferred:
+                parts = [(c.slots, c.host[key]) for c in job.chunks if c.host and key in c.host]
+                if not parts:
+                    continue
+                slots = parts[0][0] if len(parts) == 1 else torch.cat([s for s, _ in parts])
+                rows = parts[0][1] if len(parts) == 1 else torch.cat([r for _, r in parts])
+            else:
+                assert job.slots is not None and job.page is not None
+                slots = job.slots
+                rows = self.pages.rows(key, job.page, job.n)
+            lost = job.lost(key)
+            if lost is not None:
+                keep = ~torch.isin(slots, lost)
+                slots, rows = slots[keep], rows[keep]
+            target = self.pool.tensors[key]
+            # index_copy_ on the host runs rows in order, so a slot written twice in one job
+            # keeps its last row (TASK-5).
+            target.index_copy_(0, slots, rows.reshape(len(rows), -1))
+            self.rows_written[key] += len(slots)
+            self.bytes_to_pool += rows.numel() * rows.element_size()

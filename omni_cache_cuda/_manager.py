@@ -1,0 +1,895 @@
+"""`OmniPrefixCacheManager`: the object an engine's model runner calls.
+
+It executes the effects of the core (`omni_cache_core.CacheCore`) with real tensors and reports
+their outcomes back; it never decides a rule the core owns (SPEC section 11).
+
+Threads and locks (CONC-1..4):
+- the engine thread calls `new_step_starts` and `save_outputs`; `materialize` and
+  `discard_step` may run on any thread, one step late (CONC-3);
+- one state lock guards the core and the adapter's tables. It is held only for table work:
+  never while waiting, copying, gathering or running an inline write (CONC-1);
+- the committer (threaded mode) never takes it (CONC-2); its reports are drained into the core
+  under the lock at every public entry (D8);
+- a prefetch worker gathers committed hit rows while the forward runs (HIT-7).
+
+Device ordering (DEV-1..3), on CUDA: the save clones the step's rows on the compute stream and
+records a freeze event; the copy stream waits that event before copying the clones into the page,
+and the read stream waits it before reading a deferred clone. The engine thread waits on the host
+only for the save barrier, a page claim and a budget flush.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_cache_core import (
+    HIDDEN_KEY,
+    BadInputError,
+    ModelCachePolicy,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    PrefixCacheStep,
+    ReqId,
+    StepId,
+    TensorName,
+    Tid,
+)
+from omni_cache_core._core import CacheCore
+from omni_cache_core._values import (
+    AwaitPage,
+    ConsumeBegin,
+    ConsumeEnd,
+    ConsumePlan,
+    DeferredChunk,
+    EscalateTasks,
+    PageClaimed,
+    PrefetchRead,
+    Preserve,
+    ReadPlan,
+    Report,
+    SaveAbort,
+    SaveBegin,
+    SaveCommit,
+    SaveProceed,
+    ShutDown,
+    SlotSource,
+    StartStep,
+    StepWrite,
+    Tombstone,
+    WriteFailed,
+    WriteLanded,
+)
+from omni_cache_cuda._committer import Chunk, Committer, Signal, WriteJob
+from omni_cache_cuda._layout import PrefixCacheWriteLayout
+from omni_cache_cuda._outputs import (
+    StageCacheOutputs,
+    classify,
+    snapshot_leftover,
+    split_leftover,
+    unpin,
+)
+from omni_cache_cuda._stats import CacheStats
+from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
+
+__all__ = ["OmniPrefixCacheManager"]
+
+_POOL = SlotSource.POOL.value
+_AFTER_WRITE = SlotSource.AFTER_WRITE.value
+_TASK = SlotSource.TASK.value
+_THIS_STEP = SlotSource.THIS_STEP.value
+
+#: How long `shutdown` waits for the committer thread (FAIL-4).
+_SHUTDOWN_JOIN_S = 5.0
+
+
+class _ReadRecord:
+    """The adapter side of one planned hit read: its prefetch and its preserved rows (HIT-6)."""
+
+    __slots__ = ("closed", "lock", "prefetch", "preserved")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+        # (positions, future of the gathered rows), from a PrefetchRead effect (HIT-7).
+        self.prefetch: tuple[np.ndarray, concurrent.futures.Future[torch.Tensor]] | None = None
+        self.preserved: list[tuple[np.ndarray, torch.Tensor]] = []
+
+
+class _StepContext:
+    """Everything a consume of one step reads, captured at save (STEP-3)."""
+
+    __slots__ = (
+        "d2h_event",
+        "deferred_rows",
+        "freeze_event",
+        "immediate_keys",
+        "leftover",
+        "leftover_event",
+        "n",
+        "page",
+        "read_ids",
+        "req_rows",
+        "shapes",
+        "task_jobs",
+    )
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.page = 0
+        self.req_rows: dict[str, tuple[int, int]] = {}
+        self.immediate_keys: tuple[TensorName, ...] = ()
+        self.deferred_rows: dict[TensorName, torch.Tensor] = {}
+        self.leftover: dict[str, Any] = {}
+        self.leftover_event: Any = None
+        self.d2h_event: Any = None
+        self.freeze_event: Any = None
+        self.shapes: dict[TensorName, KeyShape] = {}
+        self.read_ids: tuple[int, ...] = ()
+        self.task_jobs: dict[Tid, WriteJob] = {}
+
+
+class OmniPrefixCacheManager:
+    """Keeps a host mirror of per-token stage outputs indexed by KV slot and serves prefix hits.
+
+    Per engine step, on the engine thread: `new_step_starts`, the forward, `save_outputs`; then
+    exactly one of `materialize` or `discard_step` per step id, on any thread, in any order.
+
+    Args:
+        config: Sizes, budget and the wait bound.
+        policy: What the model caches; `register_policy` may set it before the first step.
+        device: Where the step tensors live: None means CUDA when available, else the CPU.
+        threaded: Run writes on a committer thread (True) or inline in the engine thread
+            (False). None: threaded on CUDA, inline on the CPU. Both give identical results.
+        prefetch: Start hit gathers at `new_step_starts`, overlapping the forward (HIT-7).
+            Results are identical either way.
+
+    Raises:
+        BadInputError: ``config`` or ``policy`` has the wrong type; nothing is created.
+    """
+
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        *,
+        policy: ModelCachePolicy | None = None,
+        device: str | torch.device | None = None,
+        threaded: bool | None = None,
+        prefetch: bool = True,
+    ) -> None:
+        if not isinstance(config, PrefixCacheConfig):
+            raise BadInputError(
+                what="config", expected="a PrefixCacheConfig", got=type(config).__name__
+            )
+        if policy is not None and not isinstance(policy, ModelCachePolicy):
+            raise BadInputError(
+                what="policy", expected="a ModelCachePolicy", got=type(policy).__name__
+            )
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self.threaded = self._cuda if threaded is None else bool(threaded)
+        self.config = config
+        self._core = CacheCore(config, policy)
+        self._lock = threading.Lock()
+        self._signal = Signal()
+        self._reports: collections.deque[Report] = collections.deque()
+        self._pool = HostPool(config.num_slots, pin=self._cuda)
+        self._pages = StagingPages(
+            config.staging_depth, config.staging_capacity_tokens, pin=self._cuda
+        )
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._read_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._committer = Committer(
+            self._pool,
+            self._pages,
+            self._reports,
+            self._signal,
+            threaded=self.threaded,
+            copy_stream=self._copy_stream,
+            copy_chunk_bytes=config.copy_chunk_bytes,
+        )
+        self._jobs: dict[Tid, WriteJob] = {}
+        self._steps: dict[StepId, _StepContext] = {}
+        self._reads: dict[int, _ReadRecord] = {}
+        self._prefetcher = (
+            concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="omni-prefix-cache-prefetch"
+            )
+            if prefetch
+            else None
+        )
+        self._page_waits = 0
+        self._page_wait_ns = 0
+        self._bytes_d2h = 0
+        self._closed = False
+        # A manager dropped without shutdown() still stops its threads.
+        weakref.finalize(self, Committer.shutdown, self._committer, 0.0)
+
+    # -----------------------------------------------------------------------------------------
+    # Context manager and lifecycle.
+
+    def __enter__(self) -> OmniPrefixCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def policy(self) -> ModelCachePolicy:
+        """The model's cache policy."""
+        return self._core.policy
+
+    def register_policy(self, policy: ModelCachePolicy) -> None:
+        """Set the model's cache policy; once, before the first step. Does not block.
+
+        Raises:
+            BadInputError: Not a policy, or a step already started; the cache is unchanged.
+        """
+        if not isinstance(policy, ModelCachePolicy):
+            raise BadInputError(
+                what="policy", expected="a ModelCachePolicy", got=type(policy).__name__
+            )
+        with self._lock:
+            self._core.register_policy(policy)
+
+    def shutdown(self) -> None:
+        """Close the cache: wake every waiter with an error, stop the threads (FAIL-4).
+
+        Idempotent. Blocks at most a few seconds for the committer thread to stop. Later calls
+        raise `ShutDownError`; the cache must be discarded.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._core.shut_down(ShutDown())
+        self._signal.bump()
+        self._committer.shutdown(_SHUTDOWN_JOIN_S)
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+
+    def _inject_write_fault(self, fault: Any) -> None:
+        """Test hook: ``fault(job)`` runs before every pool write; raising fails that write."""
+        self._committer.fault = fault
+
+    # -----------------------------------------------------------------------------------------
+    # Engine thread: step start.
+
+    def new_step_starts(self, step: PrefixCacheStep) -> None:
+        """Feed a step's request lifecycle records in, before the forward.
+
+        Finishes and aborts escalate the requests' deferred writes (TASK-4): queued on the
+        committer, or run now in inline mode (outside the state lock). Hits start their
+        prefetch gathers on the prefetch worker (HIT-7). Blocks only for inline writes.
+
+        Raises:
+            BadInputError: Not a PrefixCacheStep, an unaligned hit or a hit without blocks
+                (HIT-1, FAIL-5); the cache is unchanged.
+            WriteFailedError: A write failed earlier (FAIL-1); the cache must be discarded.
+            ShutDownError: The cache is shut down.
+        """
+        if not isinstance(step, PrefixCacheStep):
+            raise BadInputError(
+                what="new_step_starts", expected="a PrefixCacheStep", got=type(step).__name__
+            )
+        with self._lock:
+            self._drain()
+            effects = self._core.start_step(StartStep(step=step, now_ns=time.monotonic_ns()))
+            escalate: list[WriteJob] = []
+            prefetch: list[tuple[_ReadRecord, PrefetchRead]] = []
+            for effect in effects:
+                if isinstance(effect, EscalateTasks):
+                    escalate.extend(self._jobs[tid] for tid in effect.tids if tid in self._jobs)
+                elif isinstance(effect, PrefetchRead):
+                    if self._prefetcher is not None:
+                        prefetch.append((self._record(effect.read_id), effect))
+                else:  # pragma: no cover - start_step returns only these two
+                    raise AssertionError(f"unexpected effect {effect!r}")
+        if escalate:
+            self._committer.escalate(escalate)
+        for record, effect in prefetch:
+            assert self._prefetcher is not None
+            pool_rows = self._pool.tensors[effect.key]
+            slots = torch.from_numpy(effect.slots)
+            record.prefetch = (
+                effect.positions,
+                self._prefetcher.submit(pool_rows.index_select, 0, slots),
+            )
+        if escalate and not self.threaded:
+            with self._lock:
+                self._drain()
+
+    # -----------------------------------------------------------------------------------------
+    # Engine thread: save.
+
+    def save_outputs(
+        self,
+        hidden: torch.Tensor | None,
+        mm: Mapping[str, Any] | None,
+        *,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int | None = None,
+        write_layout: PrefixCacheWriteLayout,
+    ) -> StepId:
+        """Save a step's outputs after its forward; return the step id to consume exactly once.
+
+        Copies the cached rows into a staging page (on CUDA: clones on the compute stream, a
+        freeze event, and a non-blocking copy on the copy stream), registers the step's write
+        and queues it (threaded) or runs it (inline), and snapshots the leftover mm values.
+        Blocks only for the save barrier (TASK-3), a budget flush (BUDGET-2) and a page claim
+        (PAGE-4), each at most `staging_claim_timeout_s` (DEV-3).
+
+        Raises:
+            BadInputError: Bad input: types, a slot count not matching the rows, hidden with
+                fewer rows than tokens, a width or dtype change of a cached key, a request that
+                did not start (OUT-3, FAIL-5). The cache is unchanged.
+            OversizeStepError: More rows than a page holds (PAGE-5). The cache is unchanged.
+            OmniPrefixCacheStagingTimeoutError: No page freed up in time (PAGE-4). Unchanged.
+            WaitTimeoutError: The barrier or a budget flush ran out of time. Unchanged (writes
+                already forced out by a flush stay written).
+            WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
+            ShutDownError: The cache is shut down.
+        """
+        n, padded = self._check_save_args(
+            hidden, mm, num_tokens_unpadded, num_tokens_padded, write_layout
+        )
+        policy = self._core.policy
+        if (policy.needs_full_hidden_states and n) and (
+            not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or hidden.shape[0] < n
+        ):
+            got = "None" if hidden is None else f"shape {tuple(getattr(hidden, 'shape', ()))}"
+            raise BadInputError(
+                what="hidden states",
+                expected=f"a tensor with ndim >= 2 and at least {n} rows (OUT-3)",
+                got=got,
+            )
+        parts = classify(hidden, mm or {}, n, padded, policy)
+        cached = {**parts.immediate, **parts.deferred}
+        shapes: dict[TensorName, KeyShape] = {}
+        for key, rows in cached.items():
+            known = self._pool.shapes.get(key)  # only this (engine) thread installs keys
+            if known is None:
+                shapes[key] = KeyShape.of(rows)
+            else:
+                known.check(key, rows)  # FAIL-5: a width or dtype change raises
+                shapes[key] = known
+        writes = write_layout.writes
+        req_ids = tuple(ReqId(w.req_id) for w in writes)
+        bounds = np.fromiter((w.row_end for w in writes), dtype=np.int64, count=len(writes))
+        bounds = np.concatenate(([0], bounds)) if len(writes) else np.zeros(1, dtype=np.int64)
+        slots = write_layout.slots_cpu.numpy() if n else np.zeros(0, dtype=np.int64)
+        deferred_bytes = sum(t.numel() * t.element_size() for t in parts.deferred.values())
+        immediate_bytes = sum(
+            t.numel() * t.element_size() for t in parts.immediate.values() if t.is_cuda
+        )
+        begin = SaveBegin(
+            now_ns=time.monotonic_ns(),
+            req_ids=req_ids,
+            row_bounds=bounds,
+            slots=slots,
+            num_tokens=n,
+            immediate_keys=tuple(parts.immediate),
+            deferred_keys=tuple(parts.deferred),
+            immediate_bytes=immediate_bytes,
+            deferred_bytes=deferred_bytes,
+        )
+        with self._lock:
+            self._drain()
+            self._core.save_begin(begin)
+        try:
+            page = self._proceed()
+            self._install_keys(shapes, set(parts.immediate))
+            ctx, step_job = self._stage(parts, n, page, write_layout)
+            with self._lock:
+                self._drain()
+                published = self._core.save_commit(SaveCommit(now_ns=time.monotonic_ns()))
+                preserves = self._apply_commit(
+                    published.step_id, published.effects, ctx, step_job, write_layout
+                )
+        except BaseException:
+            with self._lock:
+                self._core.save_abort(SaveAbort())
+            self._signal.bump()
+            raise
+        # HIT-6: preserve rows older reads planned on before the new write can land.
+        for record, effect in preserves:
+            self._preserve(record, effect)
+        if step_job is not None:
+            self._committer.submit(step_job)
+            if not self.threaded:
+                with self._lock:
+                    self._drain()
+        return published.step_id
+
+    def _check_save_args(
+        self,
+        hidden: object,
+        mm: object,
+        n: object,
+        padded: object,
+        layout: object,
+    ) -> tuple[int, int]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise BadInputError(what="num_tokens_unpadded", expected="an int >= 0", got=repr(n))
+        if padded is None:
+            padded = n
+        if isinstance(padded, bool) or not isinstance(padded, int) or padded < n:
+            raise BadInputError(
+                what="num_tokens_padded",
+                expected=f"None or an int >= num_tokens_unpadded ({n})",
+                got=repr(padded),
+            )
+        if not isinstance(layout, PrefixCacheWriteLayout):
+            raise BadInputError(
+                what="write_layout", expected="a PrefixCacheWriteLayout", got=type(layout).__name__
+            )
+        if mm is not None and not isinstance(mm, Mapping):
+            raise BadInputError(
+                what="mm", expected="a mapping of name to value", got=type(mm).__name__
+            )
+        if hidden is not None and not isinstance(hidden, torch.Tensor):
+            raise BadInputError(
+                what="hidden", expected="a tensor or None", got=type(hidden).__name__
+            )
+        rows = layout.num_rows
+        if (n and len(layout.slots_cpu) != n) or rows != n:
+            # OUT-3: fail at the cause; skipping rows would leave holes behind published hashes.
+            raise BadInputError(
+                what="write layout",
+                expected=f"rows and slots covering the {n} unpadded tokens",
+                got=f"{rows} rows and {len(layout.slots_cpu)} slots",
+            )
+        return n, padded
+
+    def _proceed(self) -> int:
+        """Drive the pending save through barrier, budget and page claim; return the page."""
+        waited_since: int | None = None
+        while True:
+            seen = self._signal.generation
+            escalate: list[WriteJob] = []
+            with self._lock:
+                self._drain()
+                effect = self._core.save_proceed(SaveProceed(now_ns=time.monotonic_ns()))
+                if isinstance(effect, EscalateTasks):
+                    escalate = [self._jobs[t] for t in effect.tids if t in self._jobs]
+            if isinstance(effect, PageClaimed):
+                if waited_since is not None:
+                    self._page_wait_ns += time.monotonic_ns() - waited_since
+                return effect.page
+            if isinstance(effect, EscalateTasks):
+                self._committer.escalate(escalate)  # BUDGET-2: a flush, outside the lock
+                continue
+            if isinstance(effect, AwaitPage) and waited_since is None:
+                waited_since = time.monotonic_ns()
+                self._page_waits += 1
+            self._wait(seen, effect.deadline_ns)
+
+    def _wait(self, seen: int, deadline_ns: int) -> None:
+        remaining = (deadline_ns - time.monotonic_ns()) / 1e9
+        self._signal.wait(seen, max(remaining, 0.0) + 1e-4)
+
+    def _install_keys(
+        self, shapes: Mapping[TensorName, KeyShape], immediate: set[TensorName]
+    ) -> None:
+        """Allocate storage for keys seen for the first time outside the lock; install under it."""
+        new_pool = {k: s for k, s in shapes.items() if k not in self._pool.tensors}
+        new_pages = {k: shapes[k] for k in immediate if k not in self._pages.buffers}
+        if not new_pool and not new_pages:
+            return
+        pool_storage = {k: self._pool.allocate(s) for k, s in new_pool.items()}
+        page_storage = {k: self._pages.allocate(s) for k, s in new_pages.items()}
+        with self._lock:
+            for key, storage in pool_storage.items():
+                self._pool.install(key, new_pool[key], storage)
+            for key, buffer in page_storage.items():
+                self._pages.install(key, buffer)
+
+    def _stage(
+        self, parts: Any, n: int, page: int, layout: PrefixCacheWriteLayout
+    ) -> tuple[_StepContext, WriteJob | None]:
+        """Copy the step's rows into its page and take its clones and leftover snapshot."""
+        ctx = _StepContext()
+        ctx.n = n
+        ctx.page = page
+        ctx.immediate_keys = tuple(parts.immediate)
+        ctx.req_rows = {w.req_id: (w.row_start, w.row_end) for w in layout.writes}
+        ctx.shapes = {k: self._pool.shapes[k] for k in (*parts.immediate, *parts.deferred)}
+        on_device = self._cuda and (
+            any(t.is_cuda for t in (*parts.immediate.values(), *parts.deferred.values()))
+            or _has_cuda_tensor(parts.leftover)
+        )
+        hold: list[torch.Tensor] = []
+        freeze = None
+        if on_device:
+            # DEV-1: clones on the compute stream, then the freeze event.
+            immediate = {k: v.clone() for k, v in parts.immediate.items()}
+            deferred = {k: v.clone() for k, v in parts.deferred.items()}
+            ctx.leftover = {k: snapshot_leftover(v, n, pin=True) for k, v in parts.leftover.items()}
+            freeze = torch.cuda.Event()
+            freeze.record()
+            ctx.leftover_event = freeze
+            assert self._copy_stream is not None
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(freeze)
+                for key, rows in immediate.items():
+                    self._pages.rows(key, page, n).copy_(rows.reshape(n, -1), non_blocking=True)
+                    self._bytes_d2h += rows.numel() * rows.element_size()
+                d2h = torch.cuda.Event()
+                d2h.record(self._copy_stream)
+            ctx.d2h_event = d2h
+            hold = list(immediate.values())
+        else:
+            for key, rows in parts.immediate.items():
+                self._pages.rows(key, page, n).copy_(rows.reshape(n, -1))
+            deferred = {k: v.detach().clone() for k, v in parts.deferred.items()}
+            # A deferred key's leftover is the same rows as its clone: one copy serves both.
+            ctx.leftover = {
+                k: deferred[k] if k in deferred else snapshot_leftover(v, n, pin=False)
+                for k, v in parts.leftover.items()
+            }
+        ctx.deferred_rows = deferred
+        step_job = None
+        if parts.immediate:
+            step_job = WriteJob(
+                Tid(0),  # the real tid comes with the StepWrite effect
+                tuple(parts.immediate),
+                page=page,
+                slots=layout.slots_cpu,
+                d2h_event=ctx.d2h_event,
+                freeze_event=freeze,
+            )
+            step_job.hold = hold
+        ctx.freeze_event = freeze
+        return ctx, step_job
+
+    def _apply_commit(
+        self,
+        step_id: StepId,
+        effects: Iterable[Any],
+        ctx: _StepContext,
+        step_job: WriteJob | None,
+        layout: PrefixCacheWriteLayout,
+    ) -> list[tuple[_ReadRecord, Preserve]]:
+        """Under the lock: register the step's jobs and context from the commit's effects."""
+        preserves: list[tuple[_ReadRecord, Preserve]] = []
+        slots = layout.slots_cpu
+        for effect in effects:
+            if isinstance(effect, StepWrite):
+                assert step_job is not None
+                step_job.tid = effect.tid
+                self._jobs[effect.tid] = step_job
+            elif isinstance(effect, DeferredChunk):
+                job = self._jobs.get(effect.tid)
+                if job is None:
+                    job = WriteJob(effect.tid, tuple(ctx.deferred_rows))
+                    self._jobs[effect.tid] = job
+                rows = slice(effect.row_start, effect.row_end)
+                job.chunks.append(
+                    Chunk(slots[rows], {k: v[rows] for k, v in ctx.deferred_rows.items()})
+                )
+                job.keys = tuple(dict.fromkeys((*job.keys, *ctx.deferred_rows)))
+                # Events on one stream are ordered: the newest freeze covers every chunk.
+                job.freeze_event = ctx.freeze_event or job.freeze_event
+            elif isinstance(effect, Tombstone):
+                job = self._jobs.get(effect.tid)
+                if job is not None:
+                    job.add_tombstone(effect.key, torch.from_numpy(effect.slots))
+            elif isinstance(effect, Preserve):
+                preserves.append((self._record(effect.read_id), effect))
+            else:  # pragma: no cover - save_commit returns only these
+                raise AssertionError(f"unexpected effect {effect!r}")
+        reads = self._core.reads_of(step_id)
+        ctx.read_ids = tuple(read_id for read_id, _ in reads)
+        ctx.task_jobs = {
+            tid: self._jobs[tid] for _, tids in reads for tid in tids if tid in self._jobs
+        }
+        self._steps[step_id] = ctx
+        return preserves
+
+    def _record(self, read_id: int) -> _ReadRecord:
+        record = self._reads.get(read_id)
+        if record is None:
+            record = self._reads[read_id] = _ReadRecord()
+        return record
+
+    def _preserve(self, record: _ReadRecord, effect: Preserve) -> None:
+        """Copy pool rows into a read before a newer write overwrites them (HIT-6)."""
+        with record.lock:
+            if record.closed:
+                return  # the read finished gathering before the new write was dispatched
+            rows = self._pool.tensors[effect.key].index_select(0, torch.from_numpy(effect.slots))
+            record.preserved.append((effect.positions, rows))
+
+    # -----------------------------------------------------------------------------------------
+    # Any thread: consume.
+
+    def materialize(self, step_id: StepId, req_ids: Sequence[str]) -> StageCacheOutputs:
+        """Return the requests' merged outputs of a saved step, consuming its id (STEP-1).
+
+        Reads only what the save captured (STEP-3). Blocks while the immediate writes its hits
+        read are still landing (HIT-3, bounded by `staging_claim_timeout_s`) and for the
+        gathers; never under the state lock.
+
+        Raises:
+            UnknownStepError: The id was never issued; the cache is unchanged (STEP-2).
+            StepAlreadyConsumedError: The id was consumed; the cache is unchanged (STEP-2).
+            BadInputError: A request outside the step's layout (STEP-4); the step is consumed.
+            HitUnreadableError: A hit cannot be served (HIT-4, HIT-6); the step is consumed.
+            WaitTimeoutError: A write a hit reads did not land in time; the step is consumed.
+            WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
+            ShutDownError: The cache is shut down.
+        """
+        if isinstance(req_ids, str):
+            raise BadInputError(
+                what="materialize req_ids", expected="a sequence of request ids", got="a str"
+            )
+        wanted = tuple(req_ids)
+        plan, ctx, records = self._consume(step_id, wanted)
+        try:
+            return self._build(plan, ctx, records, wanted)
+        finally:
+            with self._lock:
+                self._core.consume_end(ConsumeEnd(step_id=step_id))
+                self._forget_step(step_id)
+            self._signal.bump()  # a page may be free now
+
+    def discard_step(self, step_id: StepId) -> None:
+        """Consume a step id without reading it (STEP-1); its writes go on. Does not block.
+
+        Raises:
+            UnknownStepError: The id was never issued; the cache is unchanged (STEP-2).
+            StepAlreadyConsumedError: The id was consumed; the cache is unchanged (STEP-2).
+            WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
+            ShutDownError: The cache is shut down.
+        """
+        self._consume(step_id, None)
+        self._signal.bump()
+
+    def _consume(
+        self, step_id: StepId, wanted: tuple[str, ...] | None
+    ) -> tuple[ConsumePlan, _StepContext, dict[int, _ReadRecord]]:
+        inp_req = None if wanted is None else tuple(ReqId(r) for r in wanted)
+        while True:
+            seen = self._signal.generation
+            with self._lock:
+                self._drain()
+                try:
+                    effect = self._core.consume_begin(
+                        ConsumeBegin(step_id=step_id, req_ids=inp_req, now_ns=time.monotonic_ns())
+                    )
+                except OmniPrefixCacheUnmatchError:
+                    if step_id in self._steps and not self._core.has_step(step_id):
+                        self._forget_step(step_id)  # STEP-4: a failed consume still consumes
+                        self._signal.bump()
+                    raise
+                if isinstance(effect, ConsumePlan):
+                    if effect.discard:
+                        return effect, self._forget_step(step_id), {}
+                    # Records stay registered until the consume ends, so a concurrent save's
+                    # Preserve lands in the record this consume reads (HIT-6).
+                    records = {read.read_id: self._record(read.read_id) for read in effect.reads}
+                    return effect, self._steps[step_id], records
+            self._wait(seen, effect.deadline_ns)
+
+    def _forget_step(self, step_id: StepId) -> _StepContext:
+        ctx = self._steps.pop(step_id)
+        for read_id in ctx.read_ids:
+            record = self._reads.pop(read_id, None)
+            if record is not None:
+                with record.lock:
+                    record.closed = True
+        return ctx
+
+    def _build(
+        self,
+        plan: ConsumePlan,
+        ctx: _StepContext,
+        records: Mapping[int, _ReadRecord],
+        wanted: tuple[str, ...],
+    ) -> StageCacheOutputs:
+        """Merge hit prefix rows with the step's rows, per request and key (HIT-3, OUT-5)."""
+        if ctx.d2h_event is not None:
+            ctx.d2h_event.synchronize()
+        leftover = ctx.leftover
+        if ctx.leftover_event is not None:
+            ctx.leftover_event.synchronize()
+            leftover = unpin(leftover)  # OUT-4: the payload holds no pinned pages
+        n = ctx.n
+        # This step's rows per cached key, copied out of the page once (the page is released
+        # right after this call), shaped back to the key's row shape.
+        current: dict[TensorName, torch.Tensor] = {}
+        for key in ctx.immediate_keys:
+            current[key] = (
+                self._pages.rows(key, ctx.page, n).clone().reshape(n, *ctx.shapes[key].features)
+            )
+        for key, rows in ctx.deferred_rows.items():
+            host = leftover.get(key)
+            current[key] = host[:n] if isinstance(host, torch.Tensor) else rows.cpu()
+        reads = {(r.req_id, r.key): r for r in plan.reads}
+        rows_of = {req: ctx.req_rows[req] for req in wanted}
+
+        def merged(key: TensorName) -> dict[str, torch.Tensor]:
+            base = current[key]
+            out: dict[str, torch.Tensor] = {}
+            for req, (start, end) in rows_of.items():
+                read = reads.get((ReqId(req), key))
+                if read is None:
+                    out[req] = base[start:end]
+                    continue
+                prefix = self._gather(read, records.get(read.read_id), ctx, current, base)
+                out[req] = torch.cat((prefix, base[start:end]))
+            return out
+
+        hidden_states = None
+        mm_outputs: dict[str, dict[str, Any]] = {}
+        for key in plan.keys:
+            if key == HIDDEN_KEY:
+                hidden_states = (
+                    merged(key)
+                    if key in current
+                    else {
+                        req: self._hit_only(
+                            reads.get((ReqId(req), key)), records, ctx, current, key
+                        )
+                        for req in rows_of
+                    }
+                )
+            elif key in current:
+                mm_outputs[key] = merged(key)
+        cached = set(plan.keys)
+        for name, value in leftover.items():
+            if name not in cached:
+                mm_outputs[name] = split_leftover(value, rows_of, n)
+        return StageCacheOutputs(hidden_states, mm_outputs)
+
+    def _hit_only(
+        self,
+        read: ReadPlan | None,
+        records: Mapping[int, _ReadRecord],
+        ctx: _StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+        key: TensorName,
+    ) -> torch.Tensor:
+        """Hidden rows of a step with no rows of its own: the hit prefix, or nothing."""
+        shape = self._pool.shapes.get(key)
+        if read is None:
+            if shape is None:
+                return torch.empty((0, 0))
+            return torch.empty((0, *shape.features), dtype=shape.dtype)
+        return self._gather(read, records.get(read.read_id), ctx, current, None)
+
+    def _gather(
+        self,
+        read: ReadPlan,
+        record: _ReadRecord | None,
+        ctx: _StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+        base: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The hit prefix rows of one read, from the sources the core planned (HIT-3)."""
+        key = read.key
+        shape = self._pool.shapes[key]
+        size = len(read.slots)
+        out = torch.zeros((size, shape.width), dtype=shape.dtype)
+        source = read.source
+        pooled = np.flatnonzero((source == _POOL) | (source == _AFTER_WRITE))
+        if len(pooled):
+            todo = pooled
+            if record is not None and record.prefetch is not None:
+                positions, future = record.prefetch
+                rows = future.result()
+                at = np.searchsorted(positions, pooled)
+                at[at >= len(positions)] = 0
+                found = positions[at] == pooled if len(positions) else np.zeros(len(pooled), bool)
+                if found.any():
+                    out[torch.from_numpy(pooled[found])] = rows[torch.from_numpy(at[found])]
+                todo = pooled[~found]
+            if len(todo):
+                slots = torch.from_numpy(read.slots[todo])
+                out[torch.from_numpy(todo)] = self._pool.tensors[key].index_select(0, slots)
+        tasked = np.flatnonzero(source == _TASK)
+        if len(tasked):
+            for tid in np.unique(read.writer[tasked]).tolist():
+                mine = tasked[read.writer[tasked] == tid]
+                limit = dict(read.chunk_limit)[Tid(tid)]
+                out[torch.from_numpy(mine)] = self._task_rows(
+                    ctx.task_jobs[Tid(tid)], key, read.slots[mine], limit
+                )
+        own = np.flatnonzero(source == _THIS_STEP)
+        if len(own):
+            rows = current[key].reshape(len(current[key]), -1)
+            out[torch.from_numpy(own)] = rows[torch.from_numpy(read.step_row[own].astype(np.int64))]
+        if record is not None:
+            with record.lock:
+                for positions, rows in record.preserved:
+                    out[torch.from_numpy(positions)] = rows
+                record.closed = True
+        return out.reshape(size, *shape.features)
+
+    def _task_rows(
+        self, job: WriteJob, key: TensorName, slots: np.ndarray, limit: int
+    ) -> torch.Tensor:
+        """Rows of a deferred write for ``slots``, from its first ``limit`` chunks (last wins)."""
+        chunks = job.chunks[:limit]
+        sources = [(c.slots.numpy(), c.rows(key)) for c in chunks]
+        sources = [(s, r) for s, r in sources if r is not None]
+        all_slots = np.concatenate([s for s, _ in sources])
+        rows = torch.cat([r.reshape(len(r), -1) for _, r in sources])
+        order = np.argsort(all_slots, kind="stable")
+        at = np.searchsorted(all_slots[order], slots, side="right") - 1
+        index = torch.from_numpy(order[at])
+        if rows.is_cuda:
+            assert self._read_stream is not None
+            with torch.cuda.stream(self._read_stream):
+                if job.freeze_event is not None:
+                    self._read_stream.wait_event(job.freeze_event)  # DEV-1
+                picked = rows.index_select(0, index.to(rows.device)).to("cpu")
+            self._read_stream.synchronize()
+            return picked
+        return rows.index_select(0, index)
+
+    # -----------------------------------------------------------------------------------------
+    # Reports and stats.
+
+    def _drain(self) -> None:
+        """Feed the committer's reports into the core, then raise a sticky failure (FAIL-1).
+
+        Called under the state lock at every public entry.
+        """
+        reports = self._reports
+        while reports:
+            report = reports.popleft()
+            self._core.report(report)
+            if isinstance(report, (WriteLanded, WriteFailed)):
+                job = self._jobs.pop(report.tid, None)
+                if job is not None:
+                    job.hold = []
+        fatal = self._core.fatal
+        if fatal is not None:
+            raise type(fatal)(tids=fatal.tids, reason=fatal.reason)
+
+    def stats(self) -> CacheStats:
+        """Return a frozen snapshot of the counters. Does not block on writes."""
+        with self._lock:
+            core = self._core
+            counters = core.counters
+            return CacheStats(
+                steps_saved=counters.steps_saved,
+                steps_consumed=counters.steps_consumed,
+                steps_discarded=counters.steps_discarded,
+                hit_requests=counters.hit_requests,
+                hit_rows={s.name: int(counters.hit_rows[s.value]) for s in SlotSource},
+                rows_written=dict(self._committer.rows_written),
+                bytes_device_to_host=self._bytes_d2h + self._committer.bytes_to_host,
+                bytes_to_pool=self._committer.bytes_to_pool,
+                page_waits=self._page_waits,
+                page_wait_s=self._page_wait_ns / 1e9,
+                budget_flushes=counters.budget_flushes,
+                timeouts=counters.page_timeouts + counters.wait_timeouts,
+                writes_failed=counters.writes_failed,
+                pages_in_use=core.pages_in_use,
+                budget_bytes_in_use=core.budget_used,
+                occupancy_bytes=core.occupancy_metadata_bytes(),
+                pool_bytes=self._pool.nbytes(),
+                staging_bytes=self._pages.nbytes(),
+            )
+
+
+def _has_cuda_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_cuda
+    if isinstance(value, Mapping):
+        return any(_has_cuda_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_cuda_tensor(v) for v in value)
+    return False

@@ -1,0 +1,148 @@
+"""Host storage: the pool (one row per KV slot per key) and the staging pages (PAGE-1).
+
+Both are allocated lazily per key, outside the state lock, and installed under it (first install
+wins). On a CUDA machine they are pinned at their exact size: a plain host tensor registered with
+``cudaHostRegister`` rather than the caching host allocator, which rounds every block up to a power
+of two (a 0.9 GiB pool would cost 1 GiB).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+import attrs
+import torch
+
+from omni_cache_core import BadInputError, TensorName
+
+__all__ = ["HostPool", "KeyShape", "StagingPages", "alloc_host"]
+
+_registered_lock = threading.Lock()
+_registered_bytes = 0
+
+
+def registered_pinned_bytes() -> int:
+    """Bytes this process pinned through `alloc_host` and still holds."""
+    return _registered_bytes
+
+
+class _Unregister:
+    """Unpins a registered host tensor when its storage is collected."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    def __call__(self) -> None:
+        global _registered_bytes
+        torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        with _registered_lock:
+            _registered_bytes -= self.nbytes
+
+
+def alloc_host(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """Allocate zeroed host memory, pinned at its exact size when ``pin`` (see module doc)."""
+    tensor = torch.zeros(shape, dtype=dtype)
+    if not pin or tensor.numel() == 0:
+        return tensor
+    global _registered_bytes
+    nbytes = tensor.untyped_storage().nbytes()
+    ptr = tensor.data_ptr()
+    status = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(status) != 0:
+        # Registration can be refused (for example under a locked-memory limit); fall back to
+        # the caching allocator, which pins a rounded-up block.
+        return tensor.pin_memory()
+    with _registered_lock:
+        _registered_bytes += nbytes
+
+    weakref.finalize(tensor.untyped_storage(), _Unregister(ptr, nbytes))
+    return tensor
+
+
+@attrs.frozen
+class KeyShape:
+    """What every row of a cached key looks like; fixed at first sight (FAIL-5)."""
+
+    features: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def width(self) -> int:
+        """Elements per row."""
+        return math.prod(self.features)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row."""
+        return self.width * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> KeyShape:
+        """The shape of a step-token tensor's rows."""
+        return cls(tuple(rows.shape[1:]), rows.dtype)
+
+    def check(self, key: str, rows: torch.Tensor) -> None:
+        """Raise when a tensor's rows do not match this key's shape (FAIL-5)."""
+        if tuple(rows.shape[1:]) != self.features or rows.dtype != self.dtype:
+            raise BadInputError(
+                what=f"rows of cached key {key!r}",
+                expected=f"row shape {self.features} and dtype {self.dtype} as first seen",
+                got=f"row shape {tuple(rows.shape[1:])} and dtype {rows.dtype}",
+            )
+
+
+class HostPool:
+    """One ``(num_slots, width)`` host tensor per cached key (SPEC section 0).
+
+    Written by one writer only (CONC-4): the committer thread, or the caller in inline mode.
+    """
+
+    def __init__(self, num_slots: int, *, pin: bool) -> None:
+        self.num_slots = num_slots
+        self.pin = pin
+        self.tensors: dict[TensorName, torch.Tensor] = {}
+        self.shapes: dict[TensorName, KeyShape] = {}
+
+    def allocate(self, shape: KeyShape) -> torch.Tensor:
+        """Allocate a key's storage; call outside the state lock, then `install` under it."""
+        return alloc_host((self.num_slots, shape.width), shape.dtype, pin=self.pin)
+
+    def install(self, key: TensorName, shape: KeyShape, storage: torch.Tensor) -> None:
+        """Install a key's storage unless one is there already (first install wins)."""
+        if key not in self.tensors:
+            self.tensors[key] = storage
+            self.shapes[key] = shape
+
+    def nbytes(self) -> int:
+        """Bytes of every key's storage."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors.values())
+
+
+class StagingPages:
+    """``staging_depth`` pages of ``staging_capacity_tokens`` rows per immediate key (PAGE-1)."""
+
+    def __init__(self, depth: int, capacity: int, *, pin: bool) -> None:
+        self.depth = depth
+        self.capacity = capacity
+        self.pin = pin
+        self.buffers: dict[TensorName, torch.Tensor] = {}
+
+    def allocate(self, shape: KeyShape) -> torch.Tensor:
+        """Allocate a key's pages; call outside the state lock, then `install` under it."""
+        return alloc_host((self.depth * self.capacity, shape.width), shape.dtype, pin=self.pin)
+
+    def install(self, key: TensorName, buffer: torch.Tensor) -> None:
+        """Install a key's pages unless they are there already."""
+        self.buffers.setdefault(key, buffer)
+
+    def rows(self, key: TensorName, page: int, n: int) -> torch.Tensor:
+        """The first ``n`` rows of one page of one key (a view)."""
+        start = page * self.capacity
+        return self.buffers[key][start : start + n]
+
+    def nbytes(self) -> int:
+        """Bytes of every key's pages."""
+        return sum(t.untyped_storage().nbytes() for t in self.buffers.values())
