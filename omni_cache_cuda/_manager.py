@@ -718,16 +718,17 @@ class OmniPrefixCacheManager:
         reads = {(r.req_id, r.key): r for r in plan.reads}
         rows_of = {req: ctx.req_rows[req] for req in wanted}
 
+        # One split per key makes every request's view at once (a decode step has hundreds).
+        sizes = [end - start for start, end in ctx.req_rows.values()]
+
         def merged(key: TensorName) -> dict[str, torch.Tensor]:
             base = current[key]
-            out: dict[str, torch.Tensor] = {}
-            for req, (start, end) in rows_of.items():
-                read = reads.get((ReqId(req), key))
-                if read is None:
-                    out[req] = base[start:end]
-                    continue
-                prefix = self._gather(read, records.get(read.read_id), ctx, current, base)
-                out[req] = torch.cat((prefix, base[start:end]))
+            pieces = dict(zip(ctx.req_rows, torch.split(base, sizes), strict=True))
+            out = {req: pieces[req] for req in wanted}
+            for (req, read_key), read in reads.items():
+                if read_key == key and req in out:
+                    prefix = self._gather(read, records.get(read.read_id), ctx, current, base)
+                    out[req] = torch.cat((prefix, out[req]))
             return out
 
         hidden_states = None
