@@ -23,6 +23,15 @@ _WORKLOAD = WorkloadConfig(num_requests=40, seed=3)
 _ENGINE = EngineConfig(num_blocks=96, max_batched_tokens=128, max_num_seqs=12)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Run the tiny model on one intra-op thread, as the demo does: threads only spin here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _run(config: EngineConfig, specs, model):
     talker = Talker({s.req_id: len(s.prompt) for s in specs}, d_model=model.config.d_model)
     report = Engine(model, config).run(specs, DirectSink(talker))
@@ -254,15 +263,24 @@ def test_omni_sink_feeds_the_talker_full_prompt_rows(kv_runs, forget_hits):
 
 def test_demo_quick_run_matches_full_recompute(capsys):
     """The quick demo serves prefix hits through the omni cache and matches the full recompute."""
-    import omni_cache_cuda
-
-    if not hasattr(omni_cache_cuda, "OmniPrefixCacheManager"):
-        pytest.skip("omni_cache_cuda does not export OmniPrefixCacheManager yet")
     assert main(["demo", "--quick", "--device", "cpu", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "OK: differences within" in out
-    rate = float(out.split("prefix hit rate")[1].split("%")[0])
-    assert rate > 30.0
+    assert _figure(out, "prefix hit rate") > 30.0
+    assert "pool " in out.split("rows served from cache")[1].split("\n")[0]
+
+
+def test_demo_with_deferred_mm_and_a_tiny_budget_flushes_and_still_matches(capsys):
+    """A deferred talker.h under a tiny GPU budget is flushed early and still matches."""
+    argv = ["--requests", "24", "--defer-mm", "--gpu-staging-bytes", "4096", "--threaded"]
+    assert main([*argv, "--device", "cpu", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: differences within" in out
+    assert _figure(out, "budget flushes") > 0
+
+
+def _figure(out: str, label: str) -> float:
+    return float(out.split(label)[1].split()[0].rstrip("%"))
 
 
 def test_demo_rejects_unknown_flags():
@@ -272,10 +290,11 @@ def test_demo_rejects_unknown_flags():
     assert exc.value.code == 2
 
 
-def test_demo_rejects_a_cache_too_small_for_one_request():
-    """A KV cache smaller than one request is a usage error, not a hang."""
+@pytest.mark.parametrize("argv", [["--num-blocks", "4"], ["--staging-depth", "1"]])
+def test_demo_rejects_sizes_that_cannot_work(argv):
+    """A cache smaller than one request, or one staging page, is a usage error, not a hang."""
     with pytest.raises(SystemExit) as exc:
-        main(["--quick", "--num-blocks", "4", "--no-progress"])
+        main(["--quick", "--no-progress", *argv])
     assert exc.value.code == 2
 
 

@@ -13,16 +13,24 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 import attrs
 import torch
 from attrs import frozen
 
+from omni_cache_cuda import (
+    HIDDEN_KEY,
+    CacheStats,
+    ModelCachePolicy,
+    OmniPrefixCacheManager,
+    PrefixCacheConfig,
+)
+
 from ._engine import Engine, EngineConfig, RunReport
 from ._model import ModelConfig, TinyCausalLM
-from ._stages import DirectSink, OmniSink, Talker
+from ._stages import TALKER_KEY, DirectSink, OmniSink, Talker
 from ._workload import RequestSpec, WorkloadConfig, make_workload
 
 __all__ = ["Comparison", "compare_runs", "main"]
@@ -206,6 +214,23 @@ def _parser() -> argparse.ArgumentParser:
         const=False,
         help="cache writes inline on the saving thread",
     )
+    p.add_argument(
+        "--defer-mm",
+        action="store_true",
+        help=f"cache {TALKER_KEY} as a deferred key (written when its request ends)",
+    )
+    p.add_argument(
+        "--gpu-staging-bytes",
+        type=int,
+        default=None,
+        help="device clone budget of the cache (small values force budget flushes)",
+    )
+    p.add_argument(
+        "--staging-depth",
+        type=int,
+        default=None,
+        help="staging pages of the cache (2 makes the one-step-late builder cause page waits)",
+    )
     p.add_argument("--quick", action="store_true", help="a short run (48 requests)")
     p.add_argument(
         "--tolerance",
@@ -217,28 +242,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    if attrs.has(type(stats)):
-        return attrs.asdict(stats, recurse=False)
-    if hasattr(stats, "_asdict"):
-        return dict(stats._asdict())
-    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
-
-
-def _pick(stats: Mapping[str, Any], *words: str) -> dict[str, Any]:
-    return {k: v for k, v in stats.items() if all(w in k for w in words)}
-
-
-def _fmt(values: Mapping[str, Any]) -> str:
-    if not values:
-        return "n/a"
-    parts = []
-    for k, v in values.items():
-        if isinstance(v, Mapping):
-            parts.extend(f"{k}[{kk}]={vv}" for kk, vv in v.items())
-        else:
-            parts.append(f"{k}={v}")
-    return ", ".join(parts)
+def _sources(stats: CacheStats) -> str:
+    served = {name.lower(): count for name, count in stats.hit_rows.items() if count}
+    others = [name.lower() for name, count in stats.hit_rows.items() if not count]
+    text = ", ".join(f"{name} {count}" for name, count in served.items()) or "none"
+    return f"{text}; none from {', '.join(others)}" if others else text
 
 
 def _run_reference(
@@ -261,20 +269,26 @@ def _run_cached(
     config: EngineConfig,
     specs: Sequence[RequestSpec],
     device: str,
-    threaded: bool | None,
+    args: argparse.Namespace,
     progress: _Progress,
-) -> tuple[RunReport, Talker, Any]:
-    from omni_cache_cuda import ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
-
+) -> tuple[RunReport, Talker, CacheStats]:
     talker = Talker({s.req_id: len(s.prompt) for s in specs}, d_model=model.config.d_model)
     engine = Engine(model, config, device=device)
+    sizing: dict[str, int] = {}
+    if args.gpu_staging_bytes is not None:
+        sizing["gpu_staging_bytes"] = args.gpu_staging_bytes
+    if args.staging_depth is not None:
+        sizing["staging_depth"] = args.staging_depth
     cache_config = PrefixCacheConfig(
         num_blocks=config.num_blocks,
         block_size=config.block_size,
+        # One staging page holds one whole step (PAGE-1), so it is sized by the step budget.
         staging_capacity_tokens=config.max_batched_tokens,
+        **sizing,
     )
+    policy = ModelCachePolicy(deferred_keys=frozenset({TALKER_KEY} if args.defer_mm else ()))
     with OmniPrefixCacheManager(
-        cache_config, policy=ModelCachePolicy(), device=device, threaded=threaded
+        cache_config, policy=policy, device=device, threaded=args.threaded
     ) as mgr:
         sink = OmniSink(mgr, talker, block_size=config.block_size)
         try:
@@ -313,6 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if args.staging_depth is not None and args.staging_depth < 2:
+        # The engine holds step k's id until step k+1 is saved (the builder runs one step late),
+        # so a single page could never be freed in time.
+        parser.error("--staging-depth must be at least 2 for a one-step-late output builder")
     num_requests = args.requests if args.requests is not None else (48 if args.quick else 200)
     if num_requests <= 0:
         parser.error("--requests must be positive")
@@ -353,7 +371,7 @@ def _demo(
         f"{config.block_size}, num_blocks {config.num_blocks}, max_batched_tokens "
         f"{config.max_batched_tokens}, cache writes {mode}\n"
     )
-    show = not args.no_progress
+    show = not args.no_progress and sys.stderr.isatty()
     _warm_up(model, config, device)
     ref = _run_reference(
         model, config, specs, device, _Progress("full recompute", sys.stderr, enabled=show)
@@ -363,18 +381,17 @@ def _demo(
         config,
         specs,
         device,
-        args.threaded,
+        args,
         _Progress("prefix cache + omni cache", sys.stderr, enabled=show),
     )
     cmp = compare_runs(specs, ref, (got_report, got_talker))
-    stats_map = _stats_dict(stats)
     ref_report = ref[0]
     ok = cmp.ok(args.tolerance)
     lines = [
         f"prefix hit rate         {got_report.hit_rate:6.1%}  ({got_report.hit_tokens} of "
         f"{got_report.prompt_tokens} prompt tokens; {got_report.evictions} cached blocks "
         f"evicted, {got_report.block_reuses} blocks recycled)",
-        f"rows served from cache  {_fmt(_pick(stats_map, 'hit_rows'))}",
+        f"rows served from cache  {_sources(stats)} (rows of {HIDDEN_KEY} and {TALKER_KEY})",
         f"hidden vs recompute     max abs {cmp.max_abs_hidden:.2e}, max rel "
         f"{cmp.max_rel_hidden:.2e} over {cmp.rows} rows of {cmp.requests} requests",
         f"talker.h vs recompute   max abs {cmp.max_abs_talker:.2e}, max rel "
@@ -385,8 +402,9 @@ def _demo(
         f"({got_report.steps} steps, {got_report.wall_s:.2f}s), "
         f"{ref_report.tokens_per_s:,.0f} tok/s without ({ref_report.steps} steps, "
         f"{ref_report.wall_s:.2f}s): x{got_report.tokens_per_s / ref_report.tokens_per_s:.2f}",
-        f"page waits              {_fmt(_pick(stats_map, 'page_wait'))}",
-        f"budget flushes          {_fmt(_pick(stats_map, 'budget_flush'))}",
+        f"page waits              {stats.page_waits} ({stats.page_wait_s * 1e3:.1f} ms waiting; "
+        f"{stats.steps_saved} steps saved, {stats.steps_consumed} materialized)",
+        f"budget flushes          {stats.budget_flushes}",
     ]
     for line in lines:
         out.write(f"  {line}\n")
