@@ -608,11 +608,25 @@ class CacheCore:
             WaitTimeoutError: The barrier (TASK-3) or a budget flush (BUDGET-2) passed its
                 deadline (FAIL-3).
             PageTimeoutError: No page freed up in time (PAGE-4).
-            In every case the pending save stays; the adapter aborts it (`save_abort`).
+            In every case the pending save stays as this input found it; the adapter aborts it
+            (`save_abort`).
         """
         self._check_usable()
         save = self._require_save()
-        now = inp.now_ns
+        entry = (save.phase, save.deadline_ns, save.charged)
+        try:
+            return self._advance_save(save, inp.now_ns)
+        except (WaitTimeoutError, PageTimeoutError):
+            # FAIL-3, STEP-5: a wait that ran out changes nothing, not even a phase passed or a
+            # deadline set on the way in this same input (a zero bound fails at first sight).
+            self._budget_used -= save.charged - entry[2]
+            save.phase, save.deadline_ns, save.charged = entry
+            raise
+
+    def _advance_save(
+        self, save: _PendingSave, now: int
+    ) -> AwaitTasks | EscalateTasks | AwaitPage | PageClaimed:
+        """Run the pending save's phases in order: barrier, budget, page (`save_proceed`)."""
         if save.phase == _BARRIER:
             waits = self._barrier_waits()
             if waits:
