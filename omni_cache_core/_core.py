@@ -543,6 +543,7 @@ class CacheCore:
             BadInputError: A malformed layout, a slot out of range, a request not live, a key
                 the policy does not allow, or a save already in progress (OUT-3, FAIL-5, D9).
             OversizeStepError: More immediate rows than a page holds (PAGE-5).
+            InvariantError: The save would need a write task id past 2**31 - 1 (D3).
             In every case the cache is unchanged.
         """
         self._check_usable()
@@ -594,6 +595,16 @@ class CacheCore:
             raise OversizeStepError(rows=n, capacity=self.config.staging_capacity_tokens)
         if inp.immediate_bytes < 0 or inp.deferred_bytes < 0:
             raise BadInputError(what="clone bytes", expected=">= 0", got="a negative count")
+        # D3, STEP-5: owners are int32, so task ids stop at 2**31 - 1. Count the ids this save
+        # may take (its step write, one new deferred write per request with rows) and raise
+        # now, while nothing has changed, rather than halfway through the commit.
+        needed = 1 if n and inp.immediate_keys else 0
+        if n and inp.deferred_keys:
+            needed += int((bounds[1:] > bounds[:-1]).sum())
+        if self._next_tid - 1 + needed > _MAX_TID:
+            raise InvariantError(
+                f"write task ids exhausted (2**31 - 1): a save needing {needed} more cannot start"
+            )
         self._save = _PendingSave(inp)
 
     def save_proceed(

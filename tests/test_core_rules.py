@@ -40,7 +40,7 @@ from omni_cache_core import (
     WaitTimeoutError,
     WriteFailedError,
 )
-from omni_cache_core._core import _TASK_MOVES, CacheCore
+from omni_cache_core._core import _MAX_TID, _TASK_MOVES, CacheCore
 from omni_cache_core._values import (
     AwaitPage,
     AwaitTasks,
@@ -1493,6 +1493,23 @@ def test_d3_versions_move_on_claims_and_absence_never_on_commits(make_core: Make
         land(core, step_writes(published)[0].tid)
         assert core.presence(MM, 0)[1] == versions[-1], "a commit keeps the version"
     assert versions == [1, 2, 3, 4]
+
+
+def test_d3_task_ids_stop_before_the_owner_table_wraps(make_core: MakeCore) -> None:
+    """The last int32 tid is used as is; a save needing one more raises before changing (D3)."""
+    core = make_core(deferred_policy(hidden=False))
+    start(core, started("a"))
+    core._next_tid = _MAX_TID
+    (write,) = step_writes(save(core, [("a", [0])], immediate=(MM,), land_writes=False))
+    assert write.tid == _MAX_TID
+    assert core.presence(MM, 0) == (_MAX_TID, 1)
+    land(core, write.tid)
+    for keys in ({"immediate": (MM,)}, {"immediate": (), "deferred": (DEF,)}):
+        error = raises_unchanged(
+            core, InvariantError, core.save_begin, save_input([("a", [1])], **keys)
+        )
+        assert "2**31 - 1" in str(error)
+    assert save(core, []).step_id == 2, "a save that needs no write id still works"
 
 
 def test_d5_a_materialize_holds_its_page_until_consume_end(make_core: MakeCore) -> None:
