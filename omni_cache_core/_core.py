@@ -1090,21 +1090,23 @@ class CacheCore:
 
     def _check_hit(self, req_id: ReqId, hit_end: int, block_ids: tuple[int, ...]) -> None:
         block_size = self.config.block_size
+        # HIT-1: every refusal names the request, hit_end and the block size.
+        what = f"hit of request {req_id!r} (hit_end={hit_end}, block_size={block_size})"
         if not block_ids:
             raise BadInputError(
-                what=f"hit of request {req_id!r} (hit_end={hit_end})",
+                what=what,
                 expected="the request's block ids",
                 got="no block ids",
             )
         if hit_end % block_size:
             raise BadInputError(
-                what=f"hit of request {req_id!r}",
+                what=what,
                 expected=f"hit_end a multiple of block_size={block_size}",
                 got=f"hit_end={hit_end}",
             )
         if hit_end > len(block_ids) * block_size:
             raise BadInputError(
-                what=f"hit of request {req_id!r}",
+                what=what,
                 expected=f"at least {hit_end // block_size} blocks for hit_end={hit_end}",
                 got=f"{len(block_ids)} blocks",
             )

@@ -991,9 +991,9 @@ def test_hit_1_a_start_with_a_hit_asks_to_prefetch_its_committed_rows(
 @pytest.mark.parametrize(
     ("hit_end", "block_ids", "names"),
     [
-        (3, (0,), ["hit_end=3", "block_size=4"]),
-        (BLOCK, (), ["hit_end=4", "no block ids"]),
-        (2 * BLOCK, (0,), ["hit_end=8", "1 blocks"]),
+        (3, (0,), ["hit_end=3", "block_size=4", "multiple of block_size"]),
+        (BLOCK, (), ["hit_end=4", "block_size=4", "no block ids"]),
+        (2 * BLOCK, (0,), ["hit_end=8", "block_size=4", "1 blocks"]),
         (BLOCK, (8,), ["[0, 8)", "[8]"]),
     ],
     ids=["unaligned", "no-blocks", "too-few-blocks", "block-out-of-range"],
