@@ -279,6 +279,12 @@ def test_demo_with_deferred_mm_and_a_tiny_budget_flushes_and_still_matches(capsy
     assert _figure(out, "budget flushes") > 0
 
 
+def test_demo_exits_non_zero_when_the_difference_exceeds_the_tolerance(capsys):
+    """With a zero tolerance the rounding-level differences fail the run with exit status 1."""
+    assert main(["--requests", "12", "--tolerance", "0", "--device", "cpu", "--no-progress"]) == 1
+    assert "FAILED: difference above 0 relative" in capsys.readouterr().out
+
+
 def _figure(out: str, label: str) -> float:
     return float(out.split(label)[1].split()[0].rstrip("%"))
 

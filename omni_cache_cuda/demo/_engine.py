@@ -572,13 +572,14 @@ class Engine:
             )
             row += n
             offset += len(slots)
-        return self.model(
+        hidden: torch.Tensor = self.model(
             torch.tensor(ids, dtype=torch.long).to(dev),
             torch.from_numpy(np.concatenate(positions)).to(dev),
             torch.from_numpy(np.concatenate(new_slots)).to(dev),
             seqs,
             self.kv_cache,
         )
+        return hidden
 
     def _update(
         self, plan: StepPlan, hidden: torch.Tensor, running: Mapping[str, _Request]

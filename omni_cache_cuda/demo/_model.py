@@ -156,8 +156,9 @@ class _Layer(nn.Module):
                 mask = key_pos[None, :] <= query_pos[:, None]
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
             attn[rows] = o.transpose(0, 1)
-        h = x + self.out(attn.reshape(n, -1))
-        return h + self.down(F.gelu(self.up(self.ln_mlp(h))))
+        h: torch.Tensor = x + self.out(attn.reshape(n, -1))
+        mlp: torch.Tensor = self.down(F.gelu(self.up(self.ln_mlp(h))))
+        return h + mlp
 
 
 class TinyCausalLM(nn.Module):
@@ -220,14 +221,17 @@ class TinyCausalLM(nn.Module):
         x = self.embed(input_ids) + self.pos(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, slot_mapping, seqs, kv_cache.flat(i))
-        return self.ln_final(x)
+        hidden: torch.Tensor = self.ln_final(x)
+        return hidden
 
     @torch.inference_mode()
     def greedy(self, hidden_rows: torch.Tensor) -> list[int]:
         """Return the argmax next token for each hidden row."""
-        return self.lm_head(hidden_rows).argmax(dim=-1).tolist()
+        tokens: list[int] = self.lm_head(hidden_rows).argmax(dim=-1).tolist()
+        return tokens
 
     @torch.inference_mode()
     def talker_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden rows to the per-token ``talker.h`` tensor."""
-        return self.talker_proj(hidden)
+        features: torch.Tensor = self.talker_proj(hidden)
+        return features

@@ -26,7 +26,7 @@ from torch import nn
 from ._engine import EndedRecord, StepPlan
 
 if TYPE_CHECKING:
-    from omni_cache_cuda import OmniPrefixCacheManager
+    from omni_cache_cuda import OmniPrefixCacheManager, StepId
 
 __all__ = ["TALKER_KEY", "DirectSink", "OmniSink", "Talker"]
 
@@ -140,7 +140,7 @@ class DirectSink:
 
 @frozen(kw_only=True)
 class _Job:
-    step_id: int
+    step_id: StepId
     order: tuple[str, ...]
     starts: Mapping[str, int]
 
