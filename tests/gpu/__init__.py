@@ -1,0 +1,1 @@
+"""Conformance tests of the CUDA adapter; every test is marked `gpu` and skips without CUDA."""
