@@ -42,17 +42,34 @@ class OccupancyTable:
     ) -> list[tuple[int, SlotArray]]:
         """Give `slots` to `new_owner` (a tid, or one per slot, or ABSENT); bump versions.
 
-        Returns the displaced in-flight owners with the slots each lost (SLOT-2), in tid order.
+        A slot listed twice goes to the owner of its last occurrence (TASK-5: the last row wins).
+
+        Returns the displaced in-flight owners with the slots each lost (SLOT-2), in tid order:
+        earlier owners, and owners given a slot that a later row of the same claim took.
         """
         previous = self.owner[slots]
-        displaced = (previous > 0) & (previous != new_owner)
-        lost: list[tuple[int, SlotArray]] = []
-        if displaced.any():
+        if isinstance(new_owner, np.ndarray):
+            # Fancy assignment leaves a repeated index's winner unspecified, so give each slot
+            # its last row's owner explicitly; then every other owner of it has lost it.
+            order = np.argsort(slots, kind="stable")
+            ordered = slots[order]
+            last = np.ones(len(slots), dtype=np.bool_)
+            last[:-1] = ordered[1:] != ordered[:-1]
+            self.owner[ordered[last]] = new_owner[order[last]]
+            final = self.owner[slots]
+            beaten = (new_owner > 0) & (new_owner != final)
+            displaced = (previous > 0) & (previous != final)
+            losers = np.concatenate([previous[displaced], new_owner[beaten]])
+            lost_slots = np.concatenate([slots[displaced], slots[beaten]])
+        else:
+            displaced = (previous > 0) & (previous != new_owner)
             losers = previous[displaced]
             lost_slots = slots[displaced]
+            self.owner[slots] = new_owner
+        lost: list[tuple[int, SlotArray]] = []
+        if len(losers):
             for tid in np.unique(losers).tolist():
                 lost.append((int(tid), np.unique(lost_slots[losers == tid])))
-        self.owner[slots] = new_owner
         self.version[slots] += _VERSION_DTYPE(1)
         return lost
 

@@ -508,6 +508,29 @@ def test_slot_2_a_newer_claim_tombstones_the_in_flight_owner(make_core: MakeCore
     assert core._tasks[loser].tombstones[DEF][0].tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("y_owned_it", [False, True], ids=["fresh", "y-owned-it"])
+def test_slot_2_a_slot_claimed_twice_in_one_step_goes_to_the_last_row(
+    make_core: MakeCore, y_owned_it: bool
+) -> None:
+    """Two writes claiming one slot in a step: the last row's owns it, the other is tombstoned (SLOT-2, TASK-5)."""
+    core = make_core(deferred_policy())
+    start(core, started("x"), started("y"))
+    if y_owned_it:
+        save(core, [("y", [0])], deferred=(DEF,))
+    published = save(core, [("x", [0, 1]), ("y", [0])], deferred=(DEF,))
+    tx, ty = _deferred_tid(published.effects, "x"), _deferred_tid(published.effects, "y")
+    tombs = [(t.tid, t.key, t.slots.tolist()) for t in effects_of(published.effects, Tombstone)]
+    assert tombs == [(tx, DEF, [0])], "only the earlier row's write loses the slot"
+    version = 1 + y_owned_it
+    assert core.presence(DEF, 0) == (ty, version)
+    assert core.presence(DEF, 1) == (tx, 1)
+    start(core, finished("y"))
+    land(core, ty)
+    start(core, finished("x"))
+    land(core, tx)
+    assert [core.presence(DEF, s) for s in (0, 1)] == [(0, version), (0, 1)]
+
+
 def test_slot_3_a_landing_write_commits_only_the_slots_it_still_owns(make_core: MakeCore) -> None:
     """A write that lost slots commits the rest; the newer owner keeps the lost ones (SLOT-3)."""
     core = make_core(deferred_policy())
