@@ -322,7 +322,7 @@ def test_step_5_an_aborted_save_leaves_no_trace(make_core: MakeCore) -> None:
 
 
 def test_step_5_a_save_that_timed_out_leaves_no_trace_after_abort(make_core: MakeCore) -> None:
-    """A save whose barrier ran out leaves nothing behind once aborted, and the next works (STEP-5)."""
+    """A save whose barrier ran out leaves no trace once aborted; the next save works (STEP-5)."""
     core = make_core()
     start(core, started("a"))
     (write,) = step_writes(save(core, [("a", blocks(0))], land_writes=False))
@@ -494,7 +494,7 @@ def test_slot_1_a_slot_goes_unknown_in_transit_committed_absent_per_key(
 
 
 def test_slot_2_a_newer_claim_tombstones_the_in_flight_owner(make_core: MakeCore) -> None:
-    """A write that takes an in-flight slot becomes its owner; the old one gets a tombstone (SLOT-2)."""
+    """A write taking an in-flight slot owns it; the old owner gets a tombstone (SLOT-2)."""
     core = make_core(deferred_policy())
     start(core, started("a"), started("b"))
     first = save(core, [("a", blocks(0))], deferred=(DEF,))
@@ -512,7 +512,7 @@ def test_slot_2_a_newer_claim_tombstones_the_in_flight_owner(make_core: MakeCore
 def test_slot_2_a_slot_claimed_twice_in_one_step_goes_to_the_last_row(
     make_core: MakeCore, y_owned_it: bool
 ) -> None:
-    """Two writes claiming one slot in a step: the last row's owns it, the other is tombstoned (SLOT-2, TASK-5)."""
+    """A slot claimed twice in a step goes to the last row's write (SLOT-2, TASK-5)."""
     core = make_core(deferred_policy())
     start(core, started("x"), started("y"))
     if y_owned_it:
@@ -628,7 +628,7 @@ def test_task_1_one_step_write_covers_every_immediate_key(make_core: MakeCore) -
 def test_task_1_one_open_deferred_write_per_request_takes_later_steps(
     make_core: MakeCore,
 ) -> None:
-    """Each request has one open deferred write, and later steps append chunks to it (TASK-1, D2)."""
+    """Each request has one open deferred write that later steps append to (TASK-1, D2)."""
     core = make_core(deferred_policy())
     start(core, started("a"), started("b"))
     first = save(core, [("a", [0]), ("b", [4])], deferred=(DEF,))
@@ -844,7 +844,7 @@ def test_task_4_finish_and_abort_are_treated_alike(make_core: MakeCore) -> None:
 
 
 def test_task_5_the_last_row_of_a_repeated_slot_wins(make_core: MakeCore) -> None:
-    """A slot written twice in a step is read from its last row; chunks keep their order (TASK-5)."""
+    """A slot written twice in a step reads its last row; chunks keep their order (TASK-5)."""
     core = make_core(deferred_policy())
     start(core, started("a"), started("b", hit_end=BLOCK, block_ids=(0, 1)))
     published = save(core, [("a", [0, 1, 2, 3, 0]), ("b", blocks(1))], deferred=(DEF,))
@@ -966,7 +966,7 @@ def test_budget_2_a_save_over_budget_flushes_the_oldest_write_first(make_core: M
 
 
 def test_budget_2_with_nothing_left_to_flush_a_save_is_admitted(make_core: MakeCore) -> None:
-    """A single step larger than the whole budget is admitted instead of waiting forever (BUDGET-2)."""
+    """A step larger than the whole budget is admitted instead of waiting forever (BUDGET-2)."""
     core = make_core()
     start(core, started("a"))
     core.save_begin(save_input([("a", blocks(0))], immediate_bytes=5000))
@@ -978,7 +978,7 @@ def test_budget_2_with_nothing_left_to_flush_a_save_is_admitted(make_core: MakeC
 
 
 def test_budget_2_a_budget_flush_that_runs_out_raises(make_core: MakeCore) -> None:
-    """A budget flush past its deadline raises WaitTimeoutError naming the write (BUDGET-2, FAIL-3)."""
+    """A budget flush past its deadline raises WaitTimeoutError naming the write (BUDGET-2)."""
     core = make_core(deferred_policy())
     ta, _ = _budget_2_scenario(core)
     _proceed(core, 0)
@@ -997,7 +997,7 @@ def test_budget_2_a_budget_flush_that_runs_out_raises(make_core: MakeCore) -> No
 def test_hit_1_a_start_with_a_hit_asks_to_prefetch_its_committed_rows(
     make_core: MakeCore,
 ) -> None:
-    """A hit registered at start asks to prefetch exactly its committed rows, per key (HIT-1, HIT-7)."""
+    """A hit registered at start asks to prefetch its committed rows, per key (HIT-1, HIT-7)."""
     core = make_core()
     start(core, started("a"))
     save(core, [("a", blocks(0, 1))], immediate=(HIDDEN_KEY, MM))
@@ -1070,7 +1070,7 @@ def test_hit_2_finishes_apply_before_starts(make_core: MakeCore) -> None:
 
 
 def test_hit_3_each_row_is_planned_from_its_slot_state(make_core: MakeCore) -> None:
-    """Committed rows read the pool, deferred in-flight rows their write, absent mm zeros (HIT-3)."""
+    """Rows read the pool if committed, their write if deferred in flight, else zeros (HIT-3)."""
     core = make_core(deferred_policy())
     start(core, started("a"))
     first = save(core, [("a", blocks(0))], immediate=(HIDDEN_KEY, MM), deferred=(DEF,))
@@ -1092,7 +1092,7 @@ def test_hit_3_each_row_is_planned_from_its_slot_state(make_core: MakeCore) -> N
 def test_hit_3_an_immediate_write_reaches_the_pool_before_a_hit_reads_it(
     make_core: MakeCore,
 ) -> None:
-    """A hit on a step write's slots is planned on the pool after the write lands (HIT-3, TASK-3)."""
+    """A hit on a step write's slots is planned on the pool once the write lands (HIT-3)."""
     core = make_core()
     start(core, started("a"))
     (write,) = step_writes(save(core, [("a", blocks(0))], land_writes=False))
@@ -1252,7 +1252,7 @@ def test_out_6_a_cached_key_the_step_did_not_emit_has_no_output(make_core: MakeC
 
 
 def test_out_6_keys_are_hidden_first_then_mm_sorted(make_core: MakeCore) -> None:
-    """A step's output keys are hidden first, then its mm keys sorted, deferred ones included (OUT-6)."""
+    """A step's output keys are hidden first, then its mm keys (deferred too) sorted (OUT-6)."""
     core = make_core(deferred_policy())
     start(core, started("a"))
     zeta = TensorName("zeta")
@@ -1280,7 +1280,7 @@ def test_out_7_without_hidden_caching_no_hidden_read_is_planned(make_core: MakeC
 def test_fail_1_a_failed_write_releases_everything_and_poisons_the_cache(
     make_core: MakeCore,
 ) -> None:
-    """A failed write frees its page and charge, loses its slots, and every later call raises (FAIL-1)."""
+    """A failed write frees its page and charge, and every later call raises (FAIL-1)."""
     core = make_core()
     start(core, started("a"))
     published = save(core, [("a", blocks(0))], immediate_bytes=100, land_writes=False)
@@ -1350,7 +1350,7 @@ WAITS = [("barrier", WaitTimeoutError), ("budget", WaitTimeoutError), ("page", P
 def test_fail_3_every_save_wait_raises_once_now_reaches_its_deadline(
     make_core: MakeCore, kind: str, error: type[Exception]
 ) -> None:
-    """Each save wait holds its deadline, reports it, and raises its typed error at it (FAIL-3, D7)."""
+    """Each save wait keeps its deadline and raises its typed error at it (FAIL-3, D7)."""
     t0 = 10_000
     core = _wait_in(make_core, kind, t0)
     assert core.next_deadline_ns() is None
@@ -1377,7 +1377,7 @@ def test_fail_3_with_a_zero_bound_every_save_wait_fails_at_once(
 
 
 def test_fail_3_each_phase_gets_its_own_deadline(make_core: MakeCore) -> None:
-    """A page wait after a barrier wait is bounded from its own start, not the barrier's (FAIL-3, D7)."""
+    """A page wait after a barrier wait is bounded from its own start (FAIL-3, D7)."""
     core = make_core(staging_depth=1)
     start(core, started("a"))
     published = save(core, [("a", blocks(0))], land_writes=False)
