@@ -1,0 +1,312 @@
+"""Cost of whole adapter step cycles on the CPU: new_step_starts, save_outputs, materialize.
+
+Sizes: num_blocks=16384, block_size=16, hidden states of width 2048 in bf16 and one immediate mm
+key (`talker.h`, width 16, bf16); staging_capacity_tokens=8192.
+- decode: 256 requests x 1 token; target <= 2 ms per cycle;
+- prefill: 16 requests x 512 tokens, half of them starting with a 256-token hit (6144 rows
+  computed, 8192 returned); target <= 1.5x the copies the cycle cannot avoid.
+
+The unavoidable copies are timed in the same run as plain torch ops on buffers of the same
+sizes: the step's rows into a page (`copy_`), the page into the pool at the step's slots
+(`index_copy_`), and out to the caller: the step's rows copied out of the page plus the hit
+rows gathered from the pool (`index_select`), each returned row written once. Bookkeeping is
+the cycle minus that copy time.
+
+Each mode runs its own manager: inline (the pool write runs in the engine thread) and threaded
+(a committer thread writes the pool while the engine thread goes on; on 2 cores the two compete).
+Columns, medians after a warm-up:
+- `wall ms`: time.perf_counter around the cycle on the engine thread;
+- `engine ms`: the engine thread's CPU time (time.thread_time);
+- `cpu ms`: the whole process's CPU time (time.process_time): the committer and the prefetch
+  worker included, so it is the cycle's total work;
+- `copy ms`: the unavoidable copies, in process CPU time; `x copy` = cpu / copy;
+  `bookkeep ms` = cpu - copy.
+Verdicts use CPU time, which other load on a shared machine does not inflate; wall-clock figures
+are printed beside them. Building the write layout is the engine's side and is reported apart
+(`layout ms`). Intra-op threads default to 1, so the copies and the cycles run alike.
+
+Run: python bench/adapter_step.py [--steps N] [--threads T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from omni_cache_cuda import (
+    HIDDEN_KEY,
+    OmniPrefixCacheManager,
+    PrefixCacheConfig,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    PrefixCacheWriteLayout,
+)
+
+NUM_BLOCKS = 16384
+BLOCK_SIZE = 16
+WIDTH = 2048
+MM_KEY = "talker.h"
+MM_WIDTH = 16
+DTYPE = torch.bfloat16
+CAPACITY = 8192
+DECODE_TARGET_MS = 2.0
+PREFILL_TARGET_RATIO = 1.5
+
+STARTED = PrefixCacheEventKind.STARTED
+FINISHED = PrefixCacheEventKind.FINISHED
+
+
+def make_manager(threaded: bool) -> OmniPrefixCacheManager:
+    config = PrefixCacheConfig(
+        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, staging_capacity_tokens=CAPACITY
+    )
+    return OmniPrefixCacheManager(config, device="cpu", threaded=threaded)
+
+
+class CopyBaseline:
+    """Plain torch copies of the bytes a cycle must move, on buffers of the cache's sizes."""
+
+    def __init__(self) -> None:
+        slots = NUM_BLOCKS * BLOCK_SIZE
+        self.pools = (
+            torch.zeros((slots, WIDTH), dtype=DTYPE),
+            torch.zeros((slots, MM_WIDTH), dtype=DTYPE),
+        )
+        self.pages = (
+            torch.zeros((CAPACITY, WIDTH), dtype=DTYPE),
+            torch.zeros((CAPACITY, MM_WIDTH), dtype=DTYPE),
+        )
+
+    def run(
+        self, rows: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, hit_slots: torch.Tensor
+    ) -> float:
+        """Time one step's unavoidable copies; return process CPU seconds."""
+        n = len(slots)
+        hits = len(hit_slots)
+        t0 = time.process_time()
+        for src, page, pool in zip(rows, self.pages, self.pools, strict=True):
+            page[:n].copy_(src[:n])
+            pool.index_copy_(0, slots, page[:n])
+            out = torch.empty((n + hits, src.shape[1]), dtype=src.dtype)
+            out[:n].copy_(page[:n])
+            if hits:
+                torch.index_select(pool, 0, hit_slots, out=out[n:])
+        return time.process_time() - t0
+
+
+class Samples:
+    """Per-cycle timings of one benchmark."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.engine: list[float] = []
+        self.cpu: list[float] = []
+        self.copy: list[float] = []
+        self.layout: list[float] = []
+
+    @staticmethod
+    def med_ms(values: list[float]) -> float:
+        return statistics.median(values) * 1e3
+
+    @staticmethod
+    def p90_ms(values: list[float]) -> float:
+        return sorted(values)[int(len(values) * 0.9)] * 1e3
+
+
+def timed_cycle(
+    m: OmniPrefixCacheManager,
+    step: PrefixCacheStep,
+    rows: tuple[torch.Tensor, torch.Tensor],
+    n: int,
+    layout: PrefixCacheWriteLayout,
+    req_ids: list[str],
+    check: Callable[[object], None] | None = None,
+) -> tuple[float, float, float]:
+    """Run one whole cycle; return wall, engine-thread CPU and process CPU seconds."""
+    t0 = time.perf_counter()
+    c0 = time.thread_time()
+    p0 = time.process_time()
+    m.new_step_starts(step)
+    step_id = m.save_outputs(rows[0], {MM_KEY: rows[1]}, num_tokens_unpadded=n, write_layout=layout)
+    out = m.materialize(step_id, req_ids)
+    wall = time.perf_counter() - t0
+    engine = time.thread_time() - c0
+    cpu = time.process_time() - p0
+    if check is not None:
+        check(out)
+    return wall, engine, cpu
+
+
+def bench_decode(threaded: bool, steps: int, warmup: int, baseline: CopyBaseline) -> Samples:
+    reqs = [f"d{i}" for i in range(256)]
+    blocks_per_req = NUM_BLOCKS // len(reqs)  # 64 blocks: 1024 positions each
+    blocks = {
+        r: list(range(i * blocks_per_req, (i + 1) * blocks_per_req)) for i, r in enumerate(reqs)
+    }
+    rows = (torch.randn(256, WIDTH).to(DTYPE), torch.randn(256, MM_WIDTH).to(DTYPE))
+    ones = dict.fromkeys(reqs, 1)
+    starts = [
+        PrefixCacheRequestEvent(req_id=r, kind=STARTED, block_ids=blocks[r], scheduled_tokens=1)
+        for r in reqs
+    ]
+    samples = Samples()
+    no_hits = torch.zeros(0, dtype=torch.int64)
+
+    def check(out: object) -> None:
+        hidden = out.hidden_states  # type: ignore[attr-defined]
+        assert torch.equal(hidden["d7"], rows[0][7:8]), "decode rows came back wrong"
+
+    with make_manager(threaded) as m:
+        for pos in range(warmup + steps):
+            step = PrefixCacheStep(events=starts if pos == 0 else (), scheduled_tokens=ones)
+            t0 = time.perf_counter()
+            layout = PrefixCacheWriteLayout.from_block_tables(
+                reqs, ones, dict.fromkeys(reqs, pos), blocks, BLOCK_SIZE
+            )
+            layout_s = time.perf_counter() - t0
+            wall, engine, cpu = timed_cycle(
+                m, step, rows, 256, layout, reqs, check if pos == 1 else None
+            )
+            copy = baseline.run(rows, layout.slots_cpu, no_hits)
+            if pos >= warmup:
+                samples.wall.append(wall)
+                samples.engine.append(engine)
+                samples.cpu.append(cpu)
+                samples.copy.append(copy)
+                samples.layout.append(layout_s)
+    return samples
+
+
+def bench_prefill(threaded: bool, steps: int, warmup: int, baseline: CopyBaseline) -> Samples:
+    blocks_per_req = 512 // BLOCK_SIZE
+    hit_blocks = 256 // BLOCK_SIZE
+    shared = list(range(hit_blocks))
+    n_max = 8 * 256 + 8 * 512
+    rows = (torch.randn(n_max, WIDTH).to(DTYPE), torch.randn(n_max, MM_WIDTH).to(DTYPE))
+    warm_rows = (torch.randn(256, WIDTH).to(DTYPE), torch.randn(256, MM_WIDTH).to(DTYPE))
+    samples = Samples()
+
+    def check(out: object) -> None:
+        hidden = out.hidden_states  # type: ignore[attr-defined]
+        first = next(iter(hidden.values()))  # request 0 starts with the shared 256-token hit
+        assert first.shape == (512, WIDTH), first.shape
+        assert torch.equal(first[:256], warm_rows[0]), "hit prefix rows came back wrong"
+
+    with make_manager(threaded) as m:
+        # The shared prefix: written once by a request that then stays live, hit by half of
+        # every step's requests.
+        warm_layout = PrefixCacheWriteLayout.from_block_tables(
+            ["warm"], {"warm": 256}, {"warm": 0}, {"warm": shared}, BLOCK_SIZE
+        )
+        timed_cycle(
+            m,
+            PrefixCacheStep(
+                events=[
+                    PrefixCacheRequestEvent(
+                        req_id="warm", kind=STARTED, block_ids=shared, scheduled_tokens=256
+                    )
+                ],
+                scheduled_tokens={"warm": 256},
+            ),
+            warm_rows,
+            256,
+            warm_layout,
+            ["warm"],
+        )
+        prev: list[str] = []
+        next_block = hit_blocks
+        for s in range(warmup + steps):
+            reqs = [f"p{s}_{i}" for i in range(16)]
+            events = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in prev]
+            scheduled: dict[str, int] = {}
+            computed: dict[str, int] = {}
+            block_ids: dict[str, list[int]] = {}
+            hit_slots = []
+            for i, r in enumerate(reqs):
+                if next_block + blocks_per_req > NUM_BLOCKS:
+                    next_block = hit_blocks  # recycle every block but the shared prefix
+                own = list(range(next_block, next_block + blocks_per_req))
+                next_block += blocks_per_req
+                if i % 2 == 0:
+                    block_ids[r] = shared + own[hit_blocks:]
+                    computed[r], scheduled[r] = 256, 256
+                    hit_slots.extend(range(hit_blocks * BLOCK_SIZE))
+                else:
+                    block_ids[r] = own
+                    computed[r], scheduled[r] = 0, 512
+                events.append(
+                    PrefixCacheRequestEvent(
+                        req_id=r,
+                        kind=STARTED,
+                        hit_end=computed[r],
+                        block_ids=block_ids[r],
+                        scheduled_tokens=scheduled[r],
+                    )
+                )
+            step = PrefixCacheStep(events=events, scheduled_tokens=scheduled)
+            t0 = time.perf_counter()
+            layout = PrefixCacheWriteLayout.from_block_tables(
+                reqs, scheduled, computed, block_ids, BLOCK_SIZE
+            )
+            layout_s = time.perf_counter() - t0
+            wall, engine, cpu = timed_cycle(
+                m, step, rows, n_max, layout, reqs, check if s == 0 else None
+            )
+            copy = baseline.run(rows, layout.slots_cpu, torch.tensor(hit_slots))
+            if s >= warmup:
+                samples.wall.append(wall)
+                samples.engine.append(engine)
+                samples.cpu.append(cpu)
+                samples.copy.append(copy)
+                samples.layout.append(layout_s)
+            prev = reqs
+        stats = m.stats()
+        assert stats.rows_written[HIDDEN_KEY] > 0 and stats.writes_failed == 0
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="decode cycles per mode")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    baseline = CopyBaseline()
+    prefill_steps = max(8, args.steps // 8)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); "
+        f"{args.steps} decode and {prefill_steps} prefill cycles per mode"
+    )
+    print(
+        f"{'cycle':31} {'wall ms':>8} {'p90':>7} {'engine ms':>9} {'cpu ms':>7} "
+        f"{'copy ms':>8} {'x copy':>6} {'bookkeep ms':>11} {'layout ms':>9}  target"
+    )
+    for mode, threaded in (("inline", False), ("threaded", True)):
+        for name, bench, steps, warmup in (
+            ("decode 256x1", bench_decode, args.steps, 20),
+            ("prefill 16x512 8 hits", bench_prefill, prefill_steps, 4),
+        ):
+            s = bench(threaded, steps, warmup, baseline)
+            cpu = Samples.med_ms(s.cpu)
+            copy = Samples.med_ms(s.copy)
+            if bench is bench_decode:
+                target = f"<= {DECODE_TARGET_MS:.1f} ms"
+                ok = cpu <= DECODE_TARGET_MS
+            else:
+                target = f"<= {PREFILL_TARGET_RATIO:.1f}x copy"
+                ok = cpu <= PREFILL_TARGET_RATIO * copy
+            print(
+                f"{name + ' ' + mode:31} {Samples.med_ms(s.wall):8.3f} "
+                f"{Samples.p90_ms(s.wall):7.3f} {Samples.med_ms(s.engine):9.3f} {cpu:7.3f} "
+                f"{copy:8.3f} {cpu / copy:6.2f} {cpu - copy:11.3f} "
+                f"{Samples.med_ms(s.layout):9.3f}  {target} {'ok' if ok else 'MISSED'}"
+            )
+
+
+if __name__ == "__main__":
+    main()
