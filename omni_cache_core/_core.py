@@ -590,6 +590,15 @@ class CacheCore:
                 expected="requests STARTED and not finished (D9)",
                 got=f"unknown requests {missing}",
             )
+        if self._start_hits and not self._start_hits.keys() <= unique:
+            # SPEC section 12: a hit that cannot be served must raise, never vanish. A request
+            # that starts with a hit is scheduled in that very step by every engine we know.
+            dropped = sorted(self._start_hits.keys() - unique)[:4]
+            raise BadInputError(
+                what="write layout requests",
+                expected="every request that started with a hit this step",
+                got=f"hit requests missing from the layout: {dropped}",
+            )
         self._check_keys(inp)
         if inp.immediate_keys and n > self.config.staging_capacity_tokens:
             raise OversizeStepError(rows=n, capacity=self.config.staging_capacity_tokens)
@@ -1338,10 +1347,9 @@ class CacheCore:
         All hit slots of the step are planned together, one gather per key, and each read gets
         its slice: a prefill with many hits costs a few numpy calls per key, not per read.
         """
-        in_step = set(sv.req_ids)
-        hits = [(r, h) for r, h in self._start_hits.items() if r in in_step]
+        hits = list(self._start_hits.items())  # save_begin checked they are all in the layout
         if not hits:
-            return {}  # a hit of a request outside the layout cannot be materialized (STEP-4)
+            return {}
         every = (
             np.concatenate([slots for _, (slots, _) in hits]) if len(hits) > 1 else hits[0][1][0]
         )

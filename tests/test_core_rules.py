@@ -1052,6 +1052,19 @@ def test_hit_1_a_continuation_opens_no_new_hit(make_core: MakeCore) -> None:
     assert core.counters.hit_requests == 0
 
 
+def test_hit_1_a_hit_request_missing_from_the_save_raises(make_core: MakeCore) -> None:
+    """A save whose layout leaves out a request that started with a hit raises (HIT-1, SPEC 12)."""
+    core = make_core()
+    start(core, started("a"))
+    save(core, [("a", blocks(0))])
+    start(core, started("b", hit_end=BLOCK, block_ids=(0, 1)), started("c"))
+    error = raises_unchanged(core, BadInputError, core.save_begin, save_input([("c", blocks(2))]))
+    assert "'b'" in str(error)
+    step_id = save(core, [("b", [4]), ("c", blocks(2))]).step_id
+    (read,) = consume(core, step_id, ["b"]).reads
+    assert read.slots.tolist() == blocks(0)
+
+
 def test_hit_2_finishes_apply_before_starts(make_core: MakeCore) -> None:
     """A request finished and re-admitted in one step is a new request with a new hit (HIT-2)."""
     core = make_core(deferred_policy())
