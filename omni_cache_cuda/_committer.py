@@ -338,9 +338,12 @@ class Committer:
             if lost is not None:
                 keep = ~torch.isin(slots, lost)
                 slots, rows = slots[keep], rows[keep]
+                if not len(slots):
+                    continue  # SLOT-2: newer writes took every slot; nothing of ours remains
             target = self.pool.tensors[key]
             # index_copy_ on the host runs rows in order, so a slot written twice in one job
             # keeps its last row (TASK-5).
             target.index_copy_(0, slots, rows.reshape(len(rows), -1))
             self.rows_written[key] += len(slots)
             self.bytes_to_pool += rows.numel() * rows.element_size()
+
