@@ -330,6 +330,8 @@ class Committer:
                     continue
                 slots = parts[0][0] if len(parts) == 1 else torch.cat([s for s, _ in parts])
                 rows = parts[0][1] if len(parts) == 1 else torch.cat([r for _, r in parts])
+                if len(parts) > 1:
+                    slots, rows = _last_rows(slots, rows)
             else:
                 assert job.slots is not None and job.page is not None
                 slots = job.slots
@@ -341,9 +343,22 @@ class Committer:
                 if not len(slots):
                     continue  # SLOT-2: newer writes took every slot; nothing of ours remains
             target = self.pool.tensors[key]
-            # index_copy_ on the host runs rows in order, so a slot written twice in one job
-            # keeps its last row (TASK-5).
             target.index_copy_(0, slots, rows.reshape(len(rows), -1))
             self.rows_written[key] += len(slots)
             self.bytes_to_pool += rows.numel() * rows.element_size()
 
+
+def _last_rows(slots: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each slot's last row only (TASK-5: the last chunk wins).
+
+    ``index_copy_`` leaves the winner of a repeated index unspecified: the CPU kernel splits
+    large copies across threads, so a slot written by two chunks could get either row, or a
+    mix of both.
+    """
+    unique, inverse = torch.unique(slots, return_inverse=True)
+    if len(unique) == len(slots):
+        return slots, rows
+    positions = torch.arange(len(slots), dtype=torch.int64)
+    last = torch.full((len(unique),), -1, dtype=torch.int64)
+    last.scatter_reduce_(0, inverse, positions, reduce="amax")
+    return slots[last], rows[last]
