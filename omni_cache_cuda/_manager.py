@@ -842,10 +842,10 @@ class OmniPrefixCacheManager:
     # -----------------------------------------------------------------------------------------
     # Reports and stats.
 
-    def _drain(self) -> None:
+    def _drain(self, *, raise_fatal: bool = True) -> None:
         """Feed the committer's reports into the core, then raise a sticky failure (FAIL-1).
 
-        Called under the state lock at every public entry.
+        Called under the state lock at every public entry; `stats` drains without raising.
         """
         reports = self._reports
         while reports:
@@ -856,12 +856,17 @@ class OmniPrefixCacheManager:
                 if job is not None:
                     job.hold = []
         fatal = self._core.fatal
-        if fatal is not None:
+        if fatal is not None and raise_fatal:
             raise type(fatal)(tids=fatal.tids, reason=fatal.reason)
 
     def stats(self) -> CacheStats:
-        """Return a frozen snapshot of the counters. Does not block on writes."""
+        """Return a frozen snapshot of the counters. Does not block on writes.
+
+        Folds in the committer's reports first, so pages, budget and failures are current even
+        when no other call follows (D8); it works after a failure and after shutdown.
+        """
         with self._lock:
+            self._drain(raise_fatal=False)
             core = self._core
             counters = core.counters
             return CacheStats(
