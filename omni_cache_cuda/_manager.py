@@ -201,6 +201,9 @@ class OmniPrefixCacheManager:
         self._jobs: dict[Tid, WriteJob] = {}
         self._steps: dict[StepId, _StepContext] = {}
         self._reads: dict[int, _ReadRecord] = {}
+        # Records the last start created for its hits' prefetches; the save drops those it does
+        # not plan (keys the step does not emit, hits outside the layout), or they would leak.
+        self._start_reads: set[int] = set()
         self._prefetcher = (
             concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="omni-prefix-cache-prefetch"
@@ -285,6 +288,10 @@ class OmniPrefixCacheManager:
         with self._lock:
             self._drain()
             effects = self._core.start_step(StartStep(step=step, now_ns=time.monotonic_ns()))
+            # The core forgot the previous start's hits; a start never followed by a save
+            # leaves its prefetch records behind.
+            self._close_records(self._start_reads)
+            self._start_reads = {e.read_id for e in effects if isinstance(e, PrefetchRead)}
             escalate: list[WriteJob] = []
             prefetch: list[tuple[_ReadRecord, PrefetchRead]] = []
             for effect in effects:
@@ -590,6 +597,9 @@ class OmniPrefixCacheManager:
                 raise AssertionError(f"unexpected effect {effect!r}")
         reads = self._core.reads_of(step_id)
         ctx.read_ids = tuple(read_id for read_id, _ in reads)
+        # D4: the save dropped the start's reads it did not plan; their records go too.
+        self._close_records(self._start_reads.difference(ctx.read_ids))
+        self._start_reads = set()
         ctx.task_jobs = {
             tid: self._jobs[tid] for _, tids in reads for tid in tids if tid in self._jobs
         }
@@ -601,6 +611,14 @@ class OmniPrefixCacheManager:
         if record is None:
             record = self._reads[read_id] = _ReadRecord()
         return record
+
+    def _close_records(self, read_ids: Iterable[int]) -> None:
+        """Forget the records of reads no step will consume (under the state lock)."""
+        for read_id in read_ids:
+            record = self._reads.pop(read_id, None)
+            if record is not None:
+                with record.lock:
+                    record.closed = True
 
     def _preserve(self, record: _ReadRecord, effect: Preserve) -> None:
         """Copy pool rows into a read before a newer write overwrites them (HIT-6)."""
