@@ -85,6 +85,7 @@ __all__ = ["OmniPrefixCacheManager"]
 _POOL = SlotSource.POOL.value
 _AFTER_WRITE = SlotSource.AFTER_WRITE.value
 _TASK = SlotSource.TASK.value
+_ZEROS = SlotSource.ZEROS.value
 _THIS_STEP = SlotSource.THIS_STEP.value
 
 #: How long `shutdown` waits for the committer thread (FAIL-4).
@@ -745,8 +746,14 @@ class OmniPrefixCacheManager:
             out = {req: pieces[req] for req in wanted}
             for (req, read_key), read in reads.items():
                 if read_key == key and req in out:
-                    prefix = self._gather(read, records.get(read.read_id), ctx, current, base)
-                    out[req] = torch.cat((prefix, out[req]))
+                    # One buffer per hit request: the prefix is gathered straight into it.
+                    tail = out[req]
+                    hit = len(read.slots)
+                    full = torch.empty((hit + len(tail), *tail.shape[1:]), dtype=tail.dtype)
+                    flat = full.view(len(full), -1)
+                    self._gather(flat[:hit], read, records.get(read.read_id), ctx, current)
+                    flat[hit:].copy_(tail.reshape(len(tail), -1))
+                    out[req] = full
             return out
 
         hidden_states = None
@@ -785,77 +792,92 @@ class OmniPrefixCacheManager:
             if shape is None:
                 return torch.empty((0, 0))
             return torch.empty((0, *shape.features), dtype=shape.dtype)
-        return self._gather(read, records.get(read.read_id), ctx, current, None)
+        assert shape is not None
+        out = torch.empty((len(read.slots), shape.width), dtype=shape.dtype)
+        self._gather(out, read, records.get(read.read_id), ctx, current)
+        return out.reshape(len(out), *shape.features)
 
     def _gather(
         self,
+        out: torch.Tensor,
         read: ReadPlan,
         record: _ReadRecord | None,
         ctx: _StepContext,
         current: Mapping[TensorName, torch.Tensor],
-        base: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The hit prefix rows of one read, from the sources the core planned (HIT-3)."""
+    ) -> None:
+        """Fill ``out`` (one row per hit slot) from the sources the core planned (HIT-3)."""
         key = read.key
-        shape = self._pool.shapes[key]
-        size = len(read.slots)
-        out = torch.zeros((size, shape.width), dtype=shape.dtype)
+        pool = self._pool.tensors[key]
         source = read.source
-        pooled = np.flatnonzero((source == _POOL) | (source == _AFTER_WRITE))
-        if len(pooled):
-            todo = pooled
-            if record is not None and record.prefetch is not None:
-                positions, future = record.prefetch
-                rows = future.result()
-                at = np.searchsorted(positions, pooled)
-                at[at >= len(positions)] = 0
-                found = positions[at] == pooled if len(positions) else np.zeros(len(pooled), bool)
-                if found.any():
-                    out[torch.from_numpy(pooled[found])] = rows[torch.from_numpy(at[found])]
-                todo = pooled[~found]
-            if len(todo):
-                slots = torch.from_numpy(read.slots[todo])
-                out[torch.from_numpy(todo)] = self._pool.tensors[key].index_select(0, slots)
-        tasked = np.flatnonzero(source == _TASK)
-        if len(tasked):
-            for tid in np.unique(read.writer[tasked]).tolist():
-                mine = tasked[read.writer[tasked] == tid]
-                limit = dict(read.chunk_limit)[Tid(tid)]
-                out[torch.from_numpy(mine)] = self._task_rows(
-                    ctx.task_jobs[Tid(tid)], key, read.slots[mine], limit
+        pooled = (source == _POOL) | (source == _AFTER_WRITE)
+        prefetched = record.prefetch if record is not None else None
+        if prefetched is not None:
+            positions, future = prefetched
+            rows = future.result()
+            if len(positions) == len(source):
+                out.copy_(rows)  # HIT-7: the prefetch covered every row
+                pooled = np.zeros(len(source), dtype=np.bool_)
+            elif len(positions):
+                out[torch.from_numpy(positions)] = rows
+                pooled[positions] = False
+        if pooled.all():
+            torch.index_select(pool, 0, torch.from_numpy(read.slots), out=out)
+        else:
+            if pooled.any():
+                todo = np.flatnonzero(pooled)
+                out[torch.from_numpy(todo)] = pool.index_select(
+                    0, torch.from_numpy(read.slots[todo])
                 )
-        own = np.flatnonzero(source == _THIS_STEP)
-        if len(own):
-            rows = current[key].reshape(len(current[key]), -1)
-            out[torch.from_numpy(own)] = rows[torch.from_numpy(read.step_row[own].astype(np.int64))]
+            zeros = np.flatnonzero(source == _ZEROS)
+            if len(zeros):
+                out[torch.from_numpy(zeros)] = 0
+            tasked = np.flatnonzero(source == _TASK)
+            if len(tasked):
+                limits = dict(read.chunk_limit)
+                for tid in np.unique(read.writer[tasked]).tolist():
+                    mine = tasked[read.writer[tasked] == tid]
+                    out[torch.from_numpy(mine)] = self._task_rows(
+                        ctx.task_jobs[Tid(tid)], key, read.slots[mine], limits[Tid(tid)]
+                    )
+            own = np.flatnonzero(source == _THIS_STEP)
+            if len(own):
+                rows = current[key].reshape(len(current[key]), -1)
+                index = torch.from_numpy(read.step_row[own].astype(np.int64))
+                out[torch.from_numpy(own)] = rows[index]
         if record is not None:
+            # HIT-6: rows preserved before a newer write landed win over what was gathered.
+            # Closing under the lock means a later Preserve skips: the gather is done.
             with record.lock:
                 for positions, rows in record.preserved:
                     out[torch.from_numpy(positions)] = rows
                 record.closed = True
-        return out.reshape(size, *shape.features)
 
     def _task_rows(
         self, job: WriteJob, key: TensorName, slots: np.ndarray, limit: int
     ) -> torch.Tensor:
         """Rows of a deferred write for ``slots``, from its first ``limit`` chunks (last wins)."""
-        chunks = job.chunks[:limit]
-        sources = [(c.slots.numpy(), c.rows(key)) for c in chunks]
+        with job.lock:  # the committer swaps device clones for host rows under this lock
+            sources = [(c.slots.numpy(), c.rows(key)) for c in job.chunks[:limit]]
         sources = [(s, r) for s, r in sources if r is not None]
         all_slots = np.concatenate([s for s, _ in sources])
-        rows = torch.cat([r.reshape(len(r), -1) for _, r in sources])
         order = np.argsort(all_slots, kind="stable")
         at = np.searchsorted(all_slots[order], slots, side="right") - 1
         index = torch.from_numpy(order[at])
-        if rows.is_cuda:
-            assert self._read_stream is not None
-            with torch.cuda.stream(self._read_stream):
-                if job.freeze_event is not None:
-                    self._read_stream.wait_event(job.freeze_event)  # DEV-1
-                picked = rows.index_select(0, index.to(rows.device)).to("cpu")
-            self._read_stream.synchronize()
-            return picked
-        return rows.index_select(0, index)
+        parts = [r.reshape(len(r), -1) for _, r in sources]
+        if not parts[0].is_cuda:
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return rows.index_select(0, index)
+        stream = self._read_stream
+        assert stream is not None
+        with torch.cuda.stream(stream):
+            # DEV-1: the clones are read only after the compute stream finished writing them;
+            # everything here, the concatenation included, runs on the read stream.
+            if job.freeze_event is not None:
+                stream.wait_event(job.freeze_event)
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+            picked = rows.index_select(0, index.to(rows.device, non_blocking=False)).to("cpu")
+        stream.synchronize()
+        return picked
 
     # -----------------------------------------------------------------------------------------
     # Reports and stats.
@@ -870,9 +892,7 @@ class OmniPrefixCacheManager:
             report = reports.popleft()
             self._core.report(report)
             if isinstance(report, (WriteLanded, WriteFailed)):
-                job = self._jobs.pop(report.tid, None)
-                if job is not None:
-                    job.hold = []
+                self._jobs.pop(report.tid, None)
         fatal = self._core.fatal
         if fatal is not None and raise_fatal:
             raise type(fatal)(tids=fatal.tids, reason=fatal.reason)
