@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from omni_cache_core._values import TaskState
@@ -58,6 +59,7 @@ __all__ = [
     "encode",
     "make_manager",
     "policy",
+    "pool_mismatches",
     "settle",
     "wait_for",
 ]
@@ -140,6 +142,27 @@ def settle(manager: OmniPrefixCacheManager, timeout_s: float = 10.0) -> CacheSta
 
     assert wait_for(idle, timeout_s), "writes still in flight"
     return manager.stats()
+
+
+def pool_mismatches(manager: OmniPrefixCacheManager, oracle: Oracle) -> list[str]:
+    """Name every COMMITTED (slot, key) whose pool row differs from the engine's last write.
+
+    Reads the core's occupancy and the pool under the state lock (a test-only peek): in-flight
+    writes touch only slots they own, so the committed rows cannot change meanwhile.
+    """
+    bad: list[str] = []
+    with manager._lock:
+        manager._drain(raise_fatal=False)
+        for key, table in manager._core._tables.items():
+            committed = torch.from_numpy(np.flatnonzero(table.owner == 0))
+            if not len(committed):
+                continue
+            pool = manager._pool.tensors[key][committed]
+            want = oracle.rows[key][committed].reshape(len(committed), -1)
+            wrong = (pool != want).any(dim=1)
+            if wrong.any():
+                bad.append(f"pool rows of {key} at slots {committed[wrong].tolist()[:8]}")
+    return bad
 
 
 def encode(key: str, slots: torch.Tensor, write: int) -> torch.Tensor:
@@ -469,9 +492,12 @@ class Workload:
     each running request; admit new requests, which hit the longest prefix of full prompt blocks
     registered in the hash table (also blocks another request computes in this very step,
     HIT-5), capped so at least one prompt token is computed; register the full prompt blocks a
-    chunk computes; emit `MM` and `DEF` on most steps only (sparse keys, SLOT-4). Each saved step
-    is consumed one step late, on a builder thread when ``builder`` is set, by `materialize` (a
-    random subset of its requests at times) or `discard_step`, and checked against the oracle.
+    chunk computes; emit `MM` and `DEF` on most steps only (sparse keys, SLOT-4). New blocks come
+    from the free list's oldest end like vLLM, or (``mru_p``) its newest end, which reuses slots
+    whose writes or delayed reads are still pending. Each saved step is consumed one to
+    ``max_lag`` steps late, on a builder thread when ``builder`` is set, by `materialize` (a
+    random subset of its requests at times) or `discard_step`, and checked against the oracle;
+    every ``check_pool_every`` steps the committed pool rows are compared with it too.
     """
 
     def __init__(
@@ -487,6 +513,9 @@ class Workload:
         sparse_p: float = 0.12,
         discard_p: float = 0.08,
         subset_p: float = 0.15,
+        max_lag: int = 1,
+        mru_p: float = 0.5,
+        check_pool_every: int = 0,
         builder: bool = True,
     ) -> None:
         self.engine = engine
@@ -499,6 +528,9 @@ class Workload:
         self.sparse_p = sparse_p
         self.discard_p = discard_p
         self.subset_p = subset_p
+        self.max_lag = max_lag
+        self.mru_p = mru_p
+        self.check_pool_every = check_pool_every
         self.families = [
             tuple(f * 10_000 + i for i in range(3 * self.block_size)) for f in range(families)
         ]
@@ -514,7 +546,8 @@ class Workload:
         self.outputs: list[tuple[int, dict[str, Any]]] = []
         self._next_req = 0
         self._next_token = 1_000_000
-        self._late: list[tuple[Saved, list[str] | None, bool]] = []
+        # Saved steps waiting to be consumed, each with the step count at which it is due.
+        self._late: list[tuple[int, tuple[Saved, list[str] | None, bool]]] = []
         self._queue: queue.Queue[tuple[Saved, list[str] | None, bool] | None] = queue.Queue()
         self._builder = (
             threading.Thread(target=self._build_loop, name="output-builder", daemon=True)
@@ -527,7 +560,9 @@ class Workload:
     # Blocks -----------------------------------------------------------------------------------
 
     def _alloc(self) -> int:
-        block = self.free.popleft()
+        # Least recently freed first, like vLLM; but the cache must hold under any recycling
+        # order, and taking the block freed last reuses slots while their writes are in flight.
+        block = self.free.pop() if self.rng.random() < self.mru_p else self.free.popleft()
         old = self.block_hash.pop(block, None)
         if old is not None and self.hash_block.get(old) == block:
             del self.hash_block[old]
@@ -641,14 +676,20 @@ class Workload:
         self.engine.begin(schedule)
         saved = self.engine.save(emit=emit)
         self.counts.steps += 1
-        late, self._late = self._late, []
         subset: list[str] | None = None
         discard = rng.random() < self.discard_p
         if not discard and saved.order and rng.random() < self.subset_p:
             subset = rng.sample(list(saved.order), rng.randint(0, len(saved.order)))
-        self._late.append((saved, subset, discard))
-        for item in late:
+        due = [item for at, item in self._late if at <= self.counts.steps]
+        self._late = [(at, item) for at, item in self._late if at > self.counts.steps]
+        # Consumed one to `max_lag` steps late, so not always in id order (STEP-1).
+        self._late.append(
+            (self.counts.steps + rng.randint(1, self.max_lag), (saved, subset, discard))
+        )
+        for item in due:
             self._consume(item)
+        if self.check_pool_every and self.counts.steps % self.check_pool_every == 0:
+            self.errors.extend(pool_mismatches(self.engine.m, self.engine.oracle))
 
     def _consume(self, item: tuple[Saved, list[str] | None, bool]) -> None:
         if self._builder is not None:
@@ -684,12 +725,14 @@ class Workload:
     def close(self) -> None:
         """Consume what is left and stop the builder thread."""
         late, self._late = self._late, []
-        for item in late:
+        for _, item in late:
             self._consume(item)
         if self._builder is not None:
             self._queue.put(None)
             self._builder.join(60)
             assert not self._builder.is_alive(), "the output builder did not stop"
+        if self.check_pool_every:
+            self.errors.extend(pool_mismatches(self.engine.m, self.engine.oracle))
 
 
 def _plain(out: StageCacheOutputs) -> dict[str, Any]:
