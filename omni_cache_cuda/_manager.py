@@ -752,7 +752,8 @@ class OmniPrefixCacheManager:
                     full = torch.empty((hit + len(tail), *tail.shape[1:]), dtype=tail.dtype)
                     flat = full.view(len(full), -1)
                     self._gather(flat[:hit], read, records.get(read.read_id), ctx, current)
-                    flat[hit:].copy_(tail.reshape(len(tail), -1))
+                    # An explicit width: a request with 0 rows this step has an empty tail.
+                    flat[hit:].copy_(tail.reshape(len(tail), flat.shape[1]))
                     out[req] = full
             return out
 

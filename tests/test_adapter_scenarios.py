@@ -139,6 +139,18 @@ def test_partial_match_on_shared_prefix(make: Make) -> None:
     assert_rows(out.mm_outputs[DEF]["c"][8:], saved.rows[DEF][5:], "tail of c")
 
 
+def test_hit_with_no_rows_this_step(make: Make) -> None:
+    """A hit request scheduled 0 tokens beside others gets exactly its prefix rows (HIT-3)."""
+    engine = Engine(make())
+    engine.start("a", [0, 1, 2])
+    first = engine.step({"a": 8})
+    engine.materialize(first)
+    engine.start("b", [0, 3], hit_end=4)
+    out = engine.materialize(engine.step({"a": 1, "b": 0}))
+    assert_rows(out.hidden_states["b"], first.rows[HIDDEN_KEY][:4], "prefix only")
+    assert_rows(out.mm_outputs[DEF]["b"], first.rows[DEF][:4], "deferred prefix only")
+
+
 def test_live_request_restarting_is_not_a_hit(make: Make) -> None:
     """A live request that re-enters as started opens no hit and gets only its rows (HIT-1)."""
     manager = make()
@@ -203,6 +215,35 @@ def test_unaligned_hit_and_hit_without_blocks_raise(make: Make) -> None:
     engine.start("a", [0])
     engine.materialize(engine.step({"a": 2}))
     assert manager.stats().hit_requests == 0
+
+
+def test_id_finished_and_started_in_one_step_is_new(make: Make) -> None:
+    """An id finished and started again in one step is a new request whose hit opens (HIT-2)."""
+    manager = make()
+    engine = Engine(manager)
+    engine.start("a", [0, 1])
+    first = engine.step({"a": 8})
+    engine.materialize(first)
+    engine.finish("a")
+    engine.start("a", [0, 2], hit_end=4)
+    saved = engine.step({"a": 2})
+    out = engine.materialize(saved)
+    assert_rows(out.hidden_states["a"][:4], first.rows[HIDDEN_KEY][:4], "prefix of the new a")
+    assert manager.stats().hit_requests == 1
+
+
+def test_key_first_seen_after_prefix_reads_zeros(make: Make) -> None:
+    """A per-token key first emitted after the prefix was written reads zeros there (HIT-3)."""
+    engine = Engine(make())
+    engine.start("a", [0, 1])
+    engine.materialize(engine.step({"a": 8}, emit=()))  # no mm key exists yet
+    engine.finish("a")
+    engine.start("b", [0, 2], hit_end=4)
+    saved = engine.step({"b": 2})
+    out = engine.materialize(saved)
+    for key in (MM, DEF):
+        assert not out.mm_outputs[key]["b"][:4].any()
+        assert_rows(out.mm_outputs[key]["b"][4:], saved.rows[key], f"{key} rows of b")
 
 
 def test_mm_keys_merge_like_hidden(make: Make) -> None:
