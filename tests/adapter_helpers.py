@@ -380,7 +380,8 @@ class Engine:
         step_id = self.m.save_outputs(
             hidden, mm, num_tokens_unpadded=n, num_tokens_padded=padded, write_layout=layout
         )
-        cached = dict(rows) if n else {}
+        # A step without rows still returns hidden: each hit request's prefix, else no rows.
+        cached = dict(rows) if n else {HIDDEN_KEY: rows[HIDDEN_KEY]}
         if not self.caches_hidden:
             cached.pop(HIDDEN_KEY, None)
         if n:
@@ -488,15 +489,16 @@ class Workload:
     """Drive an engine like a vLLM-style scheduler with prefix caching (see the module doc).
 
     Every step: finish requests that are done and abort a few at random (their blocks go back to
-    the free list, least recently freed first); schedule a prefill chunk or one decode token for
-    each running request; admit new requests, which hit the longest prefix of full prompt blocks
-    registered in the hash table (also blocks another request computes in this very step,
-    HIT-5), capped so at least one prompt token is computed; register the full prompt blocks a
-    chunk computes; emit `MM` and `DEF` on most steps only (sparse keys, SLOT-4). New blocks come
-    from the free list's oldest end like vLLM, or (``mru_p``) its newest end, which reuses slots
-    whose writes or delayed reads are still pending. Each saved step is consumed one to
-    ``max_lag`` steps late, on a builder thread when ``builder`` is set, by `materialize` (a
-    random subset of its requests at times) or `discard_step`, and checked against the oracle;
+    the free list); schedule a prefill chunk or one decode token for each running request, now
+    and then none (the request stays in the layout with no rows); admit new requests, which hit
+    the longest prefix of full prompt blocks registered in the hash table (also blocks another
+    request computes in this very step, HIT-5), capped so at least one prompt token is computed;
+    register the full prompt blocks a chunk computes; emit `MM` and `DEF` on most steps only
+    (sparse keys, SLOT-4). New blocks come from the free list's oldest end like vLLM, or
+    (``mru_p``) its newest end, which reuses slots whose writes or delayed reads are still
+    pending. Each saved step is consumed one to ``max_lag`` steps late, on a builder thread when
+    ``builder`` is set, by `materialize` (a random subset of its requests at times) or
+    `discard_step`, and checked against the oracle;
     every ``check_pool_every`` steps the committed pool rows are compared with it too.
     """
 
@@ -513,6 +515,7 @@ class Workload:
         sparse_p: float = 0.12,
         discard_p: float = 0.08,
         subset_p: float = 0.15,
+        idle_p: float = 0.04,
         max_lag: int = 1,
         mru_p: float = 0.5,
         check_pool_every: int = 0,
@@ -528,6 +531,7 @@ class Workload:
         self.sparse_p = sparse_p
         self.discard_p = discard_p
         self.subset_p = subset_p
+        self.idle_p = idle_p
         self.max_lag = max_lag
         self.mru_p = mru_p
         self.check_pool_every = check_pool_every
@@ -638,7 +642,9 @@ class Workload:
     def _schedule_one(self, req: str, schedule: dict[str, int]) -> None:
         state = self.live[req]
         computed = self.engine.reqs[req].computed
-        if computed < len(state.prompt):
+        if self.rng.random() < self.idle_p:
+            count = 0  # in the layout with no rows this step
+        elif computed < len(state.prompt):
             count = min(self.rng.randint(1, self.max_chunk), len(state.prompt) - computed)
         else:
             count = 1
