@@ -498,8 +498,8 @@ class Workload:
     (``mru_p``) its newest end, which reuses slots whose writes or delayed reads are still
     pending. Each saved step is consumed one to ``max_lag`` steps late, on a builder thread when
     ``builder`` is set, by `materialize` (a random subset of its requests at times) or
-    `discard_step`, and checked against the oracle;
-    every ``check_pool_every`` steps the committed pool rows are compared with it too.
+    `discard_step`, and checked against the oracle; every ``check_pool_every`` steps the
+    committed pool rows are compared with it too.
     """
 
     def __init__(

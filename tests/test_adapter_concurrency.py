@@ -10,13 +10,14 @@ Every 50 steps the pool rows of all COMMITTED slots are compared with the oracle
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import Counter
 from typing import Any
 
 import pytest
 
-from omni_cache_cuda import OmniPrefixCacheManager
+from omni_cache_cuda import OmniPrefixCacheManager, StepAlreadyConsumedError, WaitTimeoutError
 from omni_cache_cuda._committer import WriteJob
 from tests.adapter_helpers import Engine, Workload, make_manager, settle
 
@@ -105,3 +106,61 @@ def test_builder_thread_consumes_late(threaded: bool, monkeypatch: pytest.Monkey
         assert seen["tombstone"] > 0, seen
     mode = "threaded" if threaded else "inline"
     print(f"\n{mode}: {counts} {dict(seen)} in {time.monotonic() - began:.1f}s")
+
+
+def test_save_barrier_timeout_leaves_no_trace() -> None:
+    """A save whose barrier outwaits a slow write raises WaitTimeoutError and leaves no trace (FAIL-3, STEP-5)."""
+    with make_manager(True, staging_claim_timeout_s=0.1) as manager:
+        engine = Engine(manager)
+        engine.start("a", [0, 1, 2])
+        engine.materialize(engine.step({"a": 4}))
+        release = threading.Event()
+        manager._inject_write_fault(lambda job: release.wait(10))
+        slow = engine.step({"a": 1})
+        before = manager.stats()
+        engine.begin({"a": 1})
+        began = time.monotonic()
+        with pytest.raises(WaitTimeoutError) as caught:
+            engine.save()
+        assert 0.09 <= time.monotonic() - began < 3.0
+        assert caught.value.what == "save barrier"
+        after = manager.stats()
+        assert (after.steps_saved, after.pages_in_use) == (before.steps_saved, before.pages_in_use)
+        assert after.budget_bytes_in_use == before.budget_bytes_in_use
+        release.set()
+        retried = engine.save()
+        assert retried.step_id == slow.step_id + 1
+        engine.materialize(slow)
+        engine.materialize(retried)
+
+
+def test_racing_consumers_consume_once() -> None:
+    """Two threads consuming one id concurrently: exactly one succeeds (STEP-1, CONC-3)."""
+    with make_manager(True) as manager:
+        engine = Engine(manager)
+        engine.start("a", [0])
+        for _ in range(100):
+            saved = engine.step({"a": 0})
+            results: list[str] = []
+
+            def consume(
+                discard: bool, step_id: int = saved.step_id, results: list[str] = results
+            ) -> None:
+                try:
+                    if discard:
+                        manager.discard_step(step_id)
+                    else:
+                        manager.materialize(step_id, ["a"])
+                    results.append("consumed")
+                except StepAlreadyConsumedError:
+                    results.append("refused")
+
+            threads = [threading.Thread(target=consume, args=(d,)) for d in (False, True)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert sorted(results) == ["consumed", "refused"]
+        stats = settle(manager)
+        assert stats.steps_consumed + stats.steps_discarded == 100
+        assert stats.pages_in_use == 0
