@@ -375,7 +375,10 @@ class OmniPrefixCacheManager:
         req_ids = tuple(ReqId(w.req_id) for w in writes)
         bounds = np.fromiter((w.row_end for w in writes), dtype=np.int64, count=len(writes))
         bounds = np.concatenate(([0], bounds)) if len(writes) else np.zeros(1, dtype=np.int64)
-        slots = write_layout.slots_cpu.numpy() if n else np.zeros(0, dtype=np.int64)
+        # STEP-3: engines refill one slot-mapping buffer every step, while this step's writes
+        # and reads are still pending; the tables and the writes keep a private copy.
+        slot_ids = write_layout.slots_cpu.clone() if n else torch.zeros(0, dtype=torch.int64)
+        slots = slot_ids.numpy()
         deferred_bytes = sum(t.numel() * t.element_size() for t in parts.deferred.values())
         immediate_bytes = sum(
             t.numel() * t.element_size() for t in parts.immediate.values() if t.is_cuda
@@ -397,12 +400,12 @@ class OmniPrefixCacheManager:
         try:
             page = self._proceed()
             self._install_keys(shapes, set(parts.immediate))
-            ctx, step_job = self._stage(parts, n, page, write_layout)
+            ctx, step_job = self._stage(parts, n, page, write_layout, slot_ids)
             with self._lock:
                 self._drain()
                 published = self._core.save_commit(SaveCommit(now_ns=time.monotonic_ns()))
                 preserves = self._apply_commit(
-                    published.step_id, published.effects, ctx, step_job, write_layout
+                    published.step_id, published.effects, ctx, step_job, slot_ids
                 )
         except BaseException:
             with self._lock:
@@ -503,7 +506,12 @@ class OmniPrefixCacheManager:
                 self._pages.install(key, buffer)
 
     def _stage(
-        self, parts: Any, n: int, page: int, layout: PrefixCacheWriteLayout
+        self,
+        parts: Any,
+        n: int,
+        page: int,
+        layout: PrefixCacheWriteLayout,
+        slot_ids: torch.Tensor,
     ) -> tuple[_StepContext, WriteJob | None]:
         """Copy the step's rows into its page and take its clones and leftover snapshot."""
         ctx = _StepContext()
@@ -552,7 +560,7 @@ class OmniPrefixCacheManager:
                 Tid(0),  # the real tid comes with the StepWrite effect
                 tuple(parts.immediate),
                 page=page,
-                slots=layout.slots_cpu,
+                slots=slot_ids,
                 d2h_event=ctx.d2h_event,
                 freeze_event=freeze,
             )
@@ -566,11 +574,10 @@ class OmniPrefixCacheManager:
         effects: Iterable[Any],
         ctx: _StepContext,
         step_job: WriteJob | None,
-        layout: PrefixCacheWriteLayout,
+        slots: torch.Tensor,
     ) -> list[tuple[_ReadRecord, Preserve]]:
         """Under the lock: register the step's jobs and context from the commit's effects."""
         preserves: list[tuple[_ReadRecord, Preserve]] = []
-        slots = layout.slots_cpu
         for effect in effects:
             if isinstance(effect, StepWrite):
                 assert step_job is not None

@@ -278,6 +278,9 @@ class Engine:
         self._hits: dict[str, torch.Tensor] = {}
         self._schedule: dict[str, int] = {}
         self.writes = 0
+        # Like a model runner, the engine refills one CPU slot-mapping buffer every step and
+        # hands the cache a view of it; it scribbles over it right after each save (STEP-3).
+        self.slot_buffer = torch.zeros(manager.config.num_slots * 2, dtype=torch.int64)
 
     # Lifecycle records ------------------------------------------------------------------------
 
@@ -377,9 +380,12 @@ class Engine:
         if keep is not None:
             keep.update(mm)
             keep[HIDDEN_KEY] = hidden
+        self.slot_buffer[:n] = layout.slots_cpu
+        shared = PrefixCacheWriteLayout(layout.writes, self.slot_buffer[:n])
         step_id = self.m.save_outputs(
-            hidden, mm, num_tokens_unpadded=n, num_tokens_padded=padded, write_layout=layout
+            hidden, mm, num_tokens_unpadded=n, num_tokens_padded=padded, write_layout=shared
         )
+        self.slot_buffer.fill_(self.m.config.num_slots - 1)  # the next step's inputs
         # A step without rows still returns hidden: each hit request's prefix, else no rows.
         cached = dict(rows) if n else {HIDDEN_KEY: rows[HIDDEN_KEY]}
         if not self.caches_hidden:
