@@ -195,14 +195,15 @@ def main() -> None:
                     preserved=np.zeros(rows, dtype=bool),
                 )
                 ctx = _StepContext()
-                got = m._gather(read, None, ctx, {}, None)
+                got = torch.empty_like(src)
+                m._gather(got, read, None, ctx, {})
                 assert torch.equal(got, pool[slots]), "the gather returned wrong rows"
                 gathered = torch.empty_like(src)
                 bare_gather = timeit(
                     lambda: torch.index_select(pool, 0, slots, out=gathered),  # noqa: B023
                     reps,
                 )
-                gather = timeit(lambda: m._gather(read, None, ctx, {}, None), reps)  # noqa: B023
+                gather = timeit(lambda: m._gather(got, read, None, ctx, {}), reps)  # noqa: B023
                 table.line(
                     f"hit gather (_gather) {label}",
                     rows,

@@ -347,18 +347,22 @@ class Committer:
                 rows = self.pages.rows(key, job.page, job.n)
             index = slots.numpy()
             source = row_bytes(rows)
+            target = row_bytes(self.pool.tensors[key])
             lost = job.lost(key)
-            if lost is not None:
-                keep = np.flatnonzero(~np.isin(index, lost.numpy()))
-                if not len(keep):
-                    continue  # SLOT-2: newer writes took every slot; nothing of ours remains
-                if len(keep) < len(index):
-                    index, source = index[keep], source[keep]
+            skip = np.flatnonzero(np.isin(index, lost.numpy())) if lost is not None else ()
+            if len(skip) == len(index):
+                continue  # SLOT-2: newer writes took every slot; nothing of ours remains
             # A plain row copy through byte views runs at memcpy speed; torch's CPU index_copy_
-            # is several times slower and splits repeated indices across threads.
-            row_bytes(self.pool.tensors[key])[index] = source
-            self.rows_written[key] += len(index)
-            self.bytes_to_pool += source.nbytes
+            # is several times slower and splits repeated indices across threads. Rows
+            # between tombstoned positions go in runs, so skipping a few copies nothing extra.
+            start = 0
+            for stop in (*skip, len(index)):
+                if stop > start:
+                    target[index[start:stop]] = source[start:stop]
+                start = stop + 1
+            written = len(index) - len(skip)
+            self.rows_written[key] += written
+            self.bytes_to_pool += written * source.shape[1]
 
 
 def row_bytes(rows: torch.Tensor) -> np.ndarray:
