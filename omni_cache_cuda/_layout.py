@@ -65,6 +65,14 @@ class PrefixCacheWriteLayout:
 
     writes: tuple[PrefixCacheWrite, ...] = attrs.field(converter=tuple, validator=_check_writes)
     slots_cpu: torch.Tensor = attrs.field(validator=_check_slots)
+    #: Request ids in batch order (derived once; the save path reads them every step).
+    req_ids: tuple[str, ...] = attrs.field(init=False)
+    #: ``len(writes) + 1`` row bounds: request ``i`` owns rows ``[bounds[i], bounds[i + 1])``.
+    bounds: tuple[int, ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "req_ids", tuple(w.req_id for w in self.writes))
+        object.__setattr__(self, "bounds", (0, *(w.row_end for w in self.writes)))
 
     @property
     def num_rows(self) -> int:

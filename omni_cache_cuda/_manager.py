@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -371,10 +372,8 @@ class OmniPrefixCacheManager:
             else:
                 known.check(key, rows)  # FAIL-5: a width or dtype change raises
                 shapes[key] = known
-        writes = write_layout.writes
-        req_ids = tuple(ReqId(w.req_id) for w in writes)
-        bounds = np.fromiter((w.row_end for w in writes), dtype=np.int64, count=len(writes))
-        bounds = np.concatenate(([0], bounds)) if len(writes) else np.zeros(1, dtype=np.int64)
+        req_ids = cast(tuple[ReqId, ...], write_layout.req_ids)
+        bounds = np.array(write_layout.bounds, dtype=np.int64)
         # STEP-3: engines refill one slot-mapping buffer every step, while this step's writes
         # and reads are still pending; the tables and the writes keep a private copy.
         slot_ids = write_layout.slots_cpu.clone() if n else torch.zeros(0, dtype=torch.int64)
@@ -518,7 +517,8 @@ class OmniPrefixCacheManager:
         ctx.n = n
         ctx.page = page
         ctx.immediate_keys = tuple(parts.immediate)
-        ctx.req_rows = {w.req_id: (w.row_start, w.row_end) for w in layout.writes}
+        bounds = layout.bounds
+        ctx.req_rows = dict(zip(layout.req_ids, itertools.pairwise(bounds), strict=True))
         ctx.shapes = {k: self._pool.shapes[k] for k in (*parts.immediate, *parts.deferred)}
         on_device = self._cuda and (
             any(t.is_cuda for t in (*parts.immediate.values(), *parts.deferred.values()))
@@ -684,7 +684,7 @@ class OmniPrefixCacheManager:
     def _consume(
         self, step_id: StepId, wanted: tuple[str, ...] | None
     ) -> tuple[ConsumePlan, _StepContext, dict[int, _ReadRecord]]:
-        inp_req = None if wanted is None else tuple(ReqId(r) for r in wanted)
+        inp_req = cast(tuple[ReqId, ...] | None, wanted)
         while True:
             seen = self._signal.generation
             with self._lock:
@@ -773,7 +773,7 @@ class OmniPrefixCacheManager:
                     if key in current
                     else {
                         req: self._hit_only(
-                            reads.get((ReqId(req), key)), records, ctx, current, key
+                            reads.get((cast(ReqId, req), key)), records, ctx, current, key
                         )
                         for req in rows_of
                     }
