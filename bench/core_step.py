@@ -168,7 +168,9 @@ def bench_prefill(steps: int) -> tuple[list[float], int]:
             lengths.append(len(run))
         slots = np.concatenate(slot_runs)
         bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        step = PrefixCacheStep(events=events, scheduled_tokens=dict(zip(reqs, lengths, strict=True)))
+        step = PrefixCacheStep(
+            events=events, scheduled_tokens=dict(zip(reqs, lengths, strict=True))
+        )
         t0 = time.thread_time()
         cycle(core, step, reqs, bounds, slots)
         times.append(time.thread_time() - t0)
