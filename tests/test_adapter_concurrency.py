@@ -114,6 +114,7 @@ def test_save_barrier_timeout_leaves_no_trace() -> None:
         engine = Engine(manager)
         engine.start("a", [0, 1, 2])
         engine.materialize(engine.step({"a": 4}))
+        settle(manager)  # the slow fault must catch the next write, not this one
         release = threading.Event()
         manager._inject_write_fault(lambda job: release.wait(10))
         slow = engine.step({"a": 1})

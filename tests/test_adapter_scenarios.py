@@ -526,6 +526,7 @@ def test_page_timeout_with_depth_exhausted(make: Make) -> None:
     engine = Engine(manager)
     engine.start("a", [0, 1])
     first, second = engine.step({"a": 1}), engine.step({"a": 1})
+    settle(manager)  # only the page claim waits, not the barrier
     engine.begin({"a": 1})
     began = time.monotonic()
     with pytest.raises(PageTimeoutError) as caught:
@@ -547,6 +548,7 @@ def test_zero_timeout_fails_at_once(make: Make) -> None:
     engine = Engine(manager)
     engine.start("a", [0, 1])
     first = engine.step({"a": 1})
+    settle(manager)  # a zero bound applies to the barrier too: let the first write land
     engine.begin({"a": 1})
     began = time.monotonic()
     with pytest.raises(PageTimeoutError):
