@@ -360,6 +360,8 @@ class CacheCore:
         self._tables: dict[TensorName, OccupancyTable] = {}
         # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
         self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
+        # Live requests whose hit was registered by a start that no save followed (D10).
+        self._lost_hits: set[ReqId] = set()
         self._reads: dict[int, _Read] = {}  # planned reads of saved, not yet ended steps
         self._unwritten_step_writes: set[Tid] = set()  # TASK-3: next save waits WRITTEN
         self._escalated: set[Tid] = set()  # TASK-3: next save waits HOST_READY
@@ -501,7 +503,11 @@ class CacheCore:
         # From here on nothing raises: the step is applied whole.
         self._started = True
         escalate: list[Tid] = []
+        # D10: hits of a start that no save followed can never be served; their requests must
+        # end before they are saved again.
+        self._lost_hits |= self._start_hits.keys()
         for req_id in finishing:
+            self._lost_hits.discard(req_id)
             request = self._live.pop(req_id, None)
             if request is not None:
                 escalate.extend(self._escalate_request(request))
@@ -589,6 +595,14 @@ class CacheCore:
                 what="write layout requests",
                 expected="requests STARTED and not finished (D9)",
                 got=f"unknown requests {missing}",
+            )
+        if self._lost_hits and not self._lost_hits.isdisjoint(unique):
+            lost = sorted(self._lost_hits & unique)[:4]
+            raise BadInputError(
+                what="write layout requests",
+                expected="requests whose hit can be served (abort a request whose start was "
+                "not followed by a save)",
+                got=f"requests that lost their hit: {lost}",
             )
         if self._start_hits and not self._start_hits.keys() <= unique:
             # SPEC section 12: a hit that cannot be served must raise, never vanish. A request
@@ -972,6 +986,7 @@ class CacheCore:
                 (r, tuple(s.tolist()), tuple(sorted(ids.items())))
                 for r, (s, ids) in sorted(self._start_hits.items())
             ),
+            tuple(sorted(self._lost_hits)),
             tuple(read.canonical() for _, read in sorted(self._reads.items())),
             tuple((k, t.owner.tobytes(), t.version.tobytes()) for k, t in self._tables.items()),
             tuple(sorted(self._unwritten_step_writes)),
@@ -1064,6 +1079,7 @@ class CacheCore:
                 )
             for tid in request.tids:
                 need(tid in self._tasks, f"request {req_id} tracks retired task {tid}")
+        need(self._lost_hits <= self._live.keys(), "a lost hit of a request that ended (D10)")
         for tid in self._unwritten_step_writes | self._escalated:
             need(tid in self._tasks, f"waited task {tid} is not registered")
         for read in self._reads.values():

@@ -446,10 +446,28 @@ def test_dropped_hit_reads_leave_no_records(make: Make) -> None:
     engine.start("b", [0, 1, 4], hit_end=8)
     engine.materialize(engine.step({"a": 1, "b": 1}, emit=()))  # the mm reads are dropped
     engine.start("d", [0, 6], hit_end=4)
-    engine.begin({"d": 1})  # a start never followed by a save
-    engine.begin({"a": 1, "d": 1})
+    engine.begin({"d": 1})  # a start never followed by a save: d's hit is lost (D10)
+    engine.finish("d", abort=True)
+    engine.begin({"a": 1})
     engine.materialize(engine.save())
     assert manager._reads == {}
+
+
+def test_a_request_that_lost_its_hit_cannot_be_saved(make: Make) -> None:
+    """A request whose hit start no save followed raises at its next save until it ends (D10)."""
+    manager = make()
+    engine = Engine(manager)
+    engine.start("a", [0, 1, 2])
+    engine.materialize(engine.step({"a": 8}))
+    engine.start("b", [0, 6], hit_end=4)
+    engine.begin({"b": 1})  # the forward failed: no save
+    engine.begin({"a": 1, "b": 1})
+    with pytest.raises(BadInputError, match="lost their hit"):
+        engine.save()
+    assert manager.stats().pages_in_use == 0
+    engine.finish("b", abort=True)
+    engine.begin({"a": 1})
+    engine.materialize(engine.save())
 
 
 def test_sparse_key_reads_zeros(make: Make) -> None:

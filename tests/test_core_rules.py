@@ -1065,6 +1065,21 @@ def test_hit_1_a_hit_request_missing_from_the_save_raises(make_core: MakeCore) -
     assert read.slots.tolist() == blocks(0)
 
 
+def test_hit_1_a_hit_whose_start_no_save_followed_must_end_first(make_core: MakeCore) -> None:
+    """A hit whose start no save followed makes its request unsaveable until it ends (D10)."""
+    core = make_core()
+    start(core, started("a"))
+    save(core, [("a", blocks(0))])
+    start(core, started("b", hit_end=BLOCK, block_ids=(0, 1)))
+    start(core)  # the forward failed: no save for that start
+    error = raises_unchanged(core, BadInputError, core.save_begin, save_input([("b", [4])]))
+    assert "'b'" in str(error) and "lost their hit" in str(error)
+    start(core, aborted("b"), started("b", hit_end=BLOCK, block_ids=(0, 1)))
+    step_id = save(core, [("b", [4])]).step_id
+    (read,) = consume(core, step_id, ["b"]).reads
+    assert read.slots.tolist() == blocks(0)
+
+
 def test_hit_2_finishes_apply_before_starts(make_core: MakeCore) -> None:
     """A request finished and re-admitted in one step is a new request with a new hit (HIT-2)."""
     core = make_core(deferred_policy())
