@@ -40,6 +40,7 @@ from omni_cache_core import (
     PrefixCacheConfig,
     PrefixCacheStep,
     ReqId,
+    ShutDownError,
     StepId,
     TensorName,
     Tid,
@@ -349,29 +350,35 @@ class OmniPrefixCacheManager:
             WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
             ShutDownError: The cache is shut down.
         """
-        n, padded = self._check_save_args(
-            hidden, mm, num_tokens_unpadded, num_tokens_padded, write_layout
-        )
-        policy = self._core.policy
-        if (policy.needs_full_hidden_states and n) and (
-            not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or hidden.shape[0] < n
-        ):
-            got = "None" if hidden is None else f"shape {tuple(getattr(hidden, 'shape', ()))}"
-            raise BadInputError(
-                what="hidden states",
-                expected=f"a tensor with ndim >= 2 and at least {n} rows (OUT-3)",
-                got=got,
+        try:
+            n, padded = self._check_save_args(
+                hidden, mm, num_tokens_unpadded, num_tokens_padded, write_layout
             )
-        parts = classify(hidden, mm or {}, n, padded, policy)
-        cached = {**parts.immediate, **parts.deferred}
-        shapes: dict[TensorName, KeyShape] = {}
-        for key, rows in cached.items():
-            known = self._pool.shapes.get(key)  # only this (engine) thread installs keys
-            if known is None:
-                shapes[key] = KeyShape.of(rows)
-            else:
-                known.check(key, rows)  # FAIL-5: a width or dtype change raises
-                shapes[key] = known
+            policy = self._core.policy
+            if (policy.needs_full_hidden_states and n) and (
+                not isinstance(hidden, torch.Tensor) or hidden.ndim < 2 or hidden.shape[0] < n
+            ):
+                got = "None" if hidden is None else f"shape {tuple(getattr(hidden, 'shape', ()))}"
+                raise BadInputError(
+                    what="hidden states",
+                    expected=f"a tensor with ndim >= 2 and at least {n} rows (OUT-3)",
+                    got=got,
+                )
+            parts = classify(hidden, mm or {}, n, padded, policy)
+            cached = {**parts.immediate, **parts.deferred}
+            shapes: dict[TensorName, KeyShape] = {}
+            for key, rows in cached.items():
+                known = self._pool.shapes.get(key)  # only this (engine) thread installs keys
+                if known is None:
+                    shapes[key] = KeyShape.of(rows)
+                else:
+                    known.check(key, rows)  # FAIL-5: a width or dtype change raises
+                    shapes[key] = known
+        except BadInputError:
+            # FAIL-1, FAIL-4: a failed or shut-down cache refuses every call with that error,
+            # bad input included, as the core does for the checks it makes itself.
+            self._refuse_if_unusable("save_outputs")
+            raise
         req_ids = cast(tuple[ReqId, ...], write_layout.req_ids)
         bounds = np.array(write_layout.bounds, dtype=np.int64)
         # STEP-3: engines refill one slot-mapping buffer every step, while this step's writes
@@ -420,6 +427,13 @@ class OmniPrefixCacheManager:
                 with self._lock:
                     self._drain()
         return published.step_id
+
+    def _refuse_if_unusable(self, operation: str) -> None:
+        """Raise `ShutDownError` or the sticky `WriteFailedError` when the cache has either."""
+        with self._lock:
+            if self._core.closed:
+                raise ShutDownError(operation=operation)
+            self._drain()
 
     def _check_save_args(
         self,
@@ -902,7 +916,9 @@ class OmniPrefixCacheManager:
             if isinstance(report, (WriteLanded, WriteFailed)):
                 self._jobs.pop(report.tid, None)
         fatal = self._core.fatal
-        if fatal is not None and raise_fatal:
+        # FAIL-4 over FAIL-1: a cache shut down after a failure says it is shut down; the core
+        # input that follows every raising drain raises that.
+        if fatal is not None and raise_fatal and not self._core.closed:
             raise type(fatal)(tids=fatal.tids, reason=fatal.reason)
 
     def stats(self) -> CacheStats:
