@@ -97,7 +97,7 @@ DEFINES: tuple[tuple[str, ...], ...] = (
     (),
     ("-DBUDGET=1",),
     ("-DFAILURES=0", "-DMAXSTEP=4"),
-    ("-DFAILURES=0", "-DTIMEOUTS=0", "-DBUDGET=3"),
+    ("-DFAILURES=0", "-DTIMEOUTS=0", "-DBUDGET=4"),
     ("-DFAILURES=0",),
 )
 
@@ -153,10 +153,11 @@ def parse_act(index: int, text: str) -> Act:
 
 @attrs.frozen(kw_only=True)
 class Trace:
-    """The action lines of one simulation and how to get them again."""
+    """The action lines of one simulation, the model bounds it ran with, and its origin."""
 
     source: str
     defines: tuple[str, ...]
+    bounds: tuple[tuple[str, int], ...]
     lines: tuple[str, ...]
     problems: tuple[str, ...] = ()
 
@@ -174,6 +175,23 @@ def act_lines(output: str) -> tuple[str, ...]:
     """The action lines of a spin output: lines that start with ACT once spaces are stripped."""
     stripped = (line.strip() for line in output.splitlines())
     return tuple(line for line in stripped if line.startswith("ACT"))
+
+
+def model_bounds(defines: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """The model constants the map's [config] names: ``-D`` flags first, else their #define."""
+    text = MODEL.read_text()
+    values = {
+        m[1]: int(m[2]) for m in re.finditer(r"^#define\s+(\w+)\s+(\d+)\b", text, re.MULTILINE)
+    }
+    for flag in defines:
+        name, _, value = flag.removeprefix("-D").partition("=")
+        if value.isdigit():
+            values[name] = int(value)
+    names = sorted(v for v in MAP["config"].values() if isinstance(v, str))
+    missing = [name for name in names if name not in values]
+    if missing:
+        raise AssertionError(f"spec/omni_cache.pml defines no {missing} (spec/trace_map.toml)")
+    return tuple((name, values[name]) for name in names)
 
 
 def spin_command(seed: int, defines: Sequence[str]) -> list[str]:
@@ -199,22 +217,34 @@ def simulate(seed: int, defines: Sequence[str]) -> Trace:
     return Trace(
         source=" ".join([*command[:-1], "spec/omni_cache.pml"]),
         defines=tuple(defines),
+        bounds=model_bounds(defines),
         lines=act_lines(proc.stdout),
         problems=tuple(problems),
     )
 
 
 def read_trace_file(path: Path) -> Trace:
-    """A committed trace: ``# defines: ...`` and comment lines, then the action lines."""
+    """A committed trace: comment lines (``# defines:``, ``# bounds:``), then action lines."""
     defines: tuple[str, ...] = ()
+    bounds: dict[str, int] = {}
     lines = []
     for raw in path.read_text().splitlines():
         line = raw.strip()
         if line.startswith("# defines:"):
             defines = tuple(line.removeprefix("# defines:").split())
+        elif line.startswith("# bounds:"):
+            pairs = (item.split("=") for item in line.removeprefix("# bounds:").split())
+            bounds = {name: int(value) for name, value in pairs}
         elif line.startswith("ACT"):
             lines.append(line)
-    return Trace(source=str(path.relative_to(ROOT)), defines=defines, lines=tuple(lines))
+    if not bounds:
+        raise AssertionError(f"{path.name}: no '# bounds:' line")
+    return Trace(
+        source=str(path.relative_to(ROOT)),
+        defines=defines,
+        bounds=tuple(sorted(bounds.items())),
+        lines=tuple(lines),
+    )
 
 
 def write_trace_file(path: Path, trace: Trace, why: str) -> None:
@@ -223,6 +253,7 @@ def write_trace_file(path: Path, trace: Trace, why: str) -> None:
         f"# {why}",
         f"# from: {trace.source}",
         f"# defines: {' '.join(trace.defines)}",
+        f"# bounds: {' '.join(f'{name}={value}' for name, value in trace.bounds)}",
     ]
     path.write_text("\n".join([*header, *trace.lines]) + "\n")
 
@@ -288,30 +319,23 @@ class Replay:
     """Feed a model trace to the core action by action, as the map says, and compare.
 
     Args:
-        defines: The model's ``-D`` flags (BUDGET changes the budget).
+        bounds: The model constants the trace ran with (NBLK, BS, NPAGE, NSLOT, BUDGET).
         prefetch: Gather committed rows at `PrefetchRead` (HIT-7); results must not differ.
     """
 
-    def __init__(self, defines: Sequence[str] = (), *, prefetch: bool = True) -> None:
-        cfg = MAP["config"]
-        budget = cfg["budget_units"]
-        for flag in defines:
-            if flag.startswith("-DBUDGET="):
-                budget = int(flag.split("=", 1)[1])
+    def __init__(self, bounds: Iterable[tuple[str, int]], *, prefetch: bool = True) -> None:
+        model = dict(bounds)
+        cfg = {
+            field: model[value] if isinstance(value, str) else value
+            for field, value in MAP["config"].items()
+        }
         self.keys = {
             int(k): HIDDEN_KEY if name == "hidden" else TensorName(name)
             for k, name in MAP["keys"].items()
         }
         self.deferred_key = self.keys[1]
         self.core = CacheCore(
-            PrefixCacheConfig(
-                num_blocks=cfg["num_blocks"],
-                block_size=cfg["block_size"],
-                staging_depth=cfg["staging_depth"],
-                staging_capacity_tokens=cfg["staging_capacity_tokens"],
-                staging_claim_timeout_s=cfg["staging_claim_timeout_s"],
-                gpu_staging_bytes=budget,
-            ),
+            PrefixCacheConfig(**cfg),
             ModelCachePolicy(needs_full_hidden_states=True, deferred_keys={self.deferred_key}),
         )
         self.block_size = cfg["block_size"]
@@ -911,7 +935,7 @@ class Replay:
 def replay(trace: Trace, *, prefetch: bool = True) -> Outcome:
     """Replay one trace; a disagreement names the trace, the line and how to get it again."""
     try:
-        return Replay(trace.defines, prefetch=prefetch).run(trace.acts())
+        return Replay(trace.bounds, prefetch=prefetch).run(trace.acts())
     except Disagreement as err:
         listing = "\n".join(f"  {i + 1:3d} {line}" for i, line in enumerate(trace.lines))
         raise Disagreement(f"{trace.source}: {err}\n{listing}") from err
