@@ -1,0 +1,1546 @@
+/*
+ * omni_cache.pml: the omni-cache write/read protocol as a SPIN model.
+ *
+ * Normative behaviour: SPEC.md (rule ids such as STEP-1, PAGE-3, HIT-6 are
+ * written STEP_1, PAGE_3, HIT_6 here, because Promela names cannot hold a
+ * dash). Design choices modelled: spec/DESIGN.md (D1: one JOIN_NEXT_STEP write
+ * per step; D2: one open JOIN_ON_FINISH write per request; D4: hit reads
+ * planned at start and re-planned at save; D5: pages held by the step and by
+ * the step's immediate write; D8: committer progress is reported through
+ * completion records that every public entry drains).
+ *
+ * Processes (the real threads):
+ *   Engine    - composes each engine step (finish, start with hits, schedule),
+ *               calls new_step_starts, then save_outputs: save barrier, budget
+ *               flush, page claim (with a timeout), and the save itself.
+ *   Builder   - the async output builder: materialize or discard_step of any
+ *               unconsumed step, in any order, possibly one step late.
+ *   Committer - the committer thread: copy stage, host ready, pool write,
+ *               publish completion, wake; it may fail at the copy or the
+ *               pool write.
+ * Each public entry runs under the state lock, so its locked part is one
+ * atomic block; every wait happens outside the lock (CONC-1) and is a
+ * separate statement.
+ *
+ * Values: a row is named by the engine step that computed it (1..MAXSTEP);
+ * 0 stands for zeros. So a read that returns 2 returned the rows computed by
+ * step 2, and the oracle compares it with the engine's own ground truth.
+ *
+ * Safety: assert(RULE || condition), so pan's message names the rule.
+ * Liveness: the ltl blocks at the end (run with -a -f -N name).
+ * Known-bad variants: compile with spin -DBUG_<NAME>; see spec/MODEL.md.
+ * Trace: every action prints one line "ACT <name> k=v ... [-> k=v ...]";
+ * the vocabulary is documented in spec/MODEL.md ("Trace vocabulary").
+ */
+
+/* ---------------------------------------------------------------- bounds */
+
+/* Three engine steps are enough for every interleaving of interest: reuse of
+ * a block needs the write (step 1), a hit planned on it (step 1 or 2) and the
+ * new tenant's claim (step 2 or 3); a page recycled under a reader needs two
+ * unconsumed steps plus a third save waiting for a page. */
+#ifndef MAXSTEP
+#define MAXSTEP 3
+#endif
+#define NREQ 2          /* two request ids; an id may be re-admitted (HIT-2) */
+#define NBLK 2          /* two KV blocks ... */
+#define BS 2            /* ... of two slots: a block can be half written */
+#define NSLOT 4
+#define NPAGE 2         /* two pages: one step may lag while the next saves */
+#define MAXT (3 * MAXSTEP + 1) /* write task ids: one immediate and at most two
+                                   * deferred writes opened per step */
+/* GPU clone budget in clone units: a step charges one unit for its
+ * immediate clone and one for its deferred clone. Three units let a deferred
+ * write stay open across steps (appends, D2) and still force a flush
+ * (BUDGET-2) when three steps keep deferred clones alive. */
+#ifndef BUDGET
+#define BUDGET 3
+#endif
+#ifndef STARTS
+#define STARTS 3        /* request admissions per run: two tenants + a reuse */
+#endif
+/* One fault per run, of any kind: a wait running past its bound, a
+ * committer failure, or a hit on a block the cache never saw (which only the
+ * first step can offer). Two faults in one run add nothing: the first one
+ * already ends the run's useful life (an error, a sticky failure). */
+#ifndef FAULTS
+#define FAULTS 1
+#endif
+#ifndef TIMEOUTS
+#define TIMEOUTS 1      /* 0 disables deadline faults */
+#endif
+#ifndef FAILURES
+#define FAILURES 1      /* 0 disables committer failures */
+#endif
+#ifndef DIVERGED
+#define DIVERGED 1      /* 0 disables diverged hits */
+#endif
+
+/* ------------------------------------------------------------ encodings */
+
+/* Task states (TASK-2). */
+#define T_NONE 0
+#define T_PENDING 1
+#define T_QUEUED 2
+#define T_COPYING 3
+#define T_HOST_READY 4
+#define T_WRITTEN 5
+#define T_FAILED 6
+
+/* Slot owner (D3): 0 COMMITTED, 1..MAXT-1 the in-flight write, else: */
+#define O_COMMITTED 0
+#define O_ABSENT 14
+#define O_UNKNOWN 15
+#define IS_TID(o) ((o) > 0 && (o) < MAXT)
+
+/* Hit read sources (D4). */
+#define R_NONE 0
+#define R_POOL 1        /* COMMITTED: the pool, or the preserved copy */
+#define R_AFTER 2       /* in transit, immediate: wait WRITTEN, then the pool */
+#define R_TASK 3        /* in transit, deferred: the write task's own rows */
+#define R_ZEROS 4       /* UNKNOWN or ABSENT mm key */
+#define R_THIS 5        /* written by this very step (HIT-5) */
+#define R_HIT4 6        /* hidden key UNKNOWN or ABSENT: must raise */
+
+/* Read errors. */
+#define E_OK 0
+#define E_HIT4 1
+#define E_HIT6 2
+#define E_FAILED 3
+
+#define EXP_ERR 255     /* the oracle expects an error (HIT-4) */
+
+/* Step states (STEP-1). */
+#define S_UNSAVED 0
+#define S_OPEN 1
+#define S_TAKEN 2       /* the builder popped it and is reading */
+#define S_CONSUMED 3
+
+#define SK(s, k) ((s) * 2 + (k))
+#define NRE (MAXSTEP * 4)
+#define RE(K, k, j) (((((K) - 1) * 2) + (k)) * 2 + (j))
+#define RE_STEP(e) ((e) / 4 + 1)
+#define RE_KEY(e) (((e) / 2) % 2)
+#define RE_SLOT(e) (s_hblk[RE_STEP(e)] * 2 + (e) % 2)
+#define BIT(x) (1 << (x))
+#define HAS(m, x) ((((m) >> (x)) & 1) == 1)
+
+/* Read error names in the trace. */
+mtype = { hit4, hit6, failed };
+
+/* Rule names for assertion messages; always 0. */
+hidden byte STEP_1, STEP_2, STEP_5, PAGE_2, PAGE_3, SLOT_2, SLOT_3, SLOT_4;
+hidden byte TASK_1, TASK_2, TASK_3, TASK_6, BUDGET_1, HIT_4, HIT_5, HIT_6;
+hidden byte FAIL_1, FAIL_3, MODEL_BOUND, REACHED;
+#define CHECK(rule, c) assert(rule || (c))
+
+/* Reachability probes: with -DPROBES every probe is an assertion that
+ * fails when its situation is reached, so a run lists which of the
+ * situations the bounds can produce (spec/run_checks.sh requires all). */
+#ifdef PROBES
+#define REACH(k) assert(REACHED == (k))
+#else
+#define REACH(k) skip
+#endif
+
+/* ------------------------------------------------------------- state */
+
+/* Engine ground truth: which step last computed each slot's KV (0: never),
+ * and whether that computation emitted the sparse key (else 0 = absent). */
+byte gt0[NSLOT];
+byte gt1[NSLOT];
+/* Engine block tables. */
+bool e_live[NREQ];
+bool e_emit[NREQ];                /* the request emits the sparse mm key */
+byte e_pos[NREQ];                 /* tokens computed (positions 0..3) */
+byte e_blk[NREQ * 2];             /* block id + 1 per table index, 0 none */
+byte b_fill[NBLK];                /* slots computed by the current tenant */
+bool b_cached[NBLK];              /* hash published: hits may use it */
+bool b_virgin[NBLK] = 1;          /* never computed at all */
+byte starts_left = STARTS;
+/* This step's composition (cleared after the save). */
+bool c_fin[NREQ];
+bool c_new[NREQ];
+bool c_emit[NREQ];
+byte c_mask[NREQ];                /* slots scheduled per request */
+byte m_imm;                       /* all slots of the step (hidden key) */
+byte m_def;                       /* slots whose request emits the mm key */
+byte m_abs;                       /* slots whose request does not emit it */
+
+/* Core: occupancy (D3), pool, requests, sticky failure. */
+byte own[NSLOT * 2] = O_UNKNOWN;
+byte ver[NSLOT * 2];
+byte pool[NSLOT * 2];
+byte gclaim[NSLOT * 2];           /* ghost: newest claimant (O_ABSENT: absence) */
+bool fatal;                       /* FAIL-1 sticky failure */
+byte r_def[NREQ];                 /* open JOIN_ON_FINISH task per request (D2) */
+byte r_jns[NREQ];                 /* latest immediate write holding its rows */
+short esc;                        /* deferred writes escalated since last save */
+
+/* Write tasks, indexed by tid. Key 0 is hidden (immediate, JOIN_NEXT_STEP),
+ * key 1 the sparse mm key (deferred, JOIN_ON_FINISH); a task has one key. */
+byte t_st[MAXT];
+bit t_kind[MAXT];                 /* 0 immediate, 1 deferred: also its key */
+byte t_mask[MAXT];                /* slots it writes */
+byte t_tomb[MAXT];                /* SLOT-2 tombstones: slots it lost */
+byte t_val[MAXT * NSLOT];         /* the rows it carries, per slot */
+byte t_step[MAXT];                /* immediate: its step */
+byte t_page[MAXT];                /* immediate: its page */
+byte t_req[MAXT];                 /* deferred: its request */
+byte t_views[MAXT];               /* deferred: steps whose clone it views */
+bit t_pin[MAXT];                  /* still charged against the budget */
+byte t_rec[MAXT];                 /* completion record: 1 written, 2 failed */
+bit t_drained[MAXT];              /* the core has drained the record */
+bit t_hr[MAXT];                   /* host_ready event set */
+bit t_done[MAXT];                 /* done event set (waiters woken) */
+bit t_copies[MAXT];               /* copy stages run (at most one) */
+bit t_inq[MAXT];
+byte q[MAXT];                     /* the committer's high-priority queue */
+byte qlen;
+byte next_tid = 1;
+
+/* Pages (D5). */
+byte pg_step[NPAGE];              /* step holder */
+byte pg_task[NPAGE];              /* immediate write holder */
+byte pg_val[NPAGE];               /* which step's rows the page holds */
+
+/* Steps and their hit reads (one hit request per step). */
+byte s_st[MAXSTEP + 2];
+byte s_page[MAXSTEP + 2];
+byte s_jns[MAXSTEP + 2];
+byte s_hreq[MAXSTEP + 2];         /* request + 1 that hit in this step */
+byte s_hblk[MAXSTEP + 2];
+byte nopen;
+byte r_src[NRE];
+byte r_tid[NRE];
+byte r_ver[NRE];
+byte r_pres[NRE];                 /* preserved row + 1 (copy-on-write) */
+byte r_exp[NRE];                  /* ghost: what the read must return */
+
+/* Budget (BUDGET-1): one unit per clone allocation. */
+bit tk_imm[MAXSTEP + 2];
+byte tk_def[MAXSTEP + 2];         /* tasks still viewing the deferred clone */
+byte bused;
+byte bpend;                       /* admitted, not yet committed */
+
+/* Fault budgets and ghosts. */
+byte faults_left = FAULTS;
+byte waiting;                     /* blocked waiters: 1 engine, 2 builder */
+byte tmo_fire;                    /* their deadline has passed */
+bool g_fail_pub;                  /* a committer failure has been published */
+bool eng_done;
+bool bld_done;
+bool shut;
+bool comm_done;
+
+/* Temporaries, only used inside atomic sequences that cannot block. */
+hidden byte dt, ds, dk, co, ce, qi, uk, bk, bsum, pe, px, fb, fq, fn, cs1, sd0, sd1;
+
+/* ---------------------------------------------------------- helpers */
+
+/* TASK-2: the only legal moves. */
+inline MOVE(tt, to) {
+  CHECK(TASK_2,
+    (to == T_PENDING && t_st[tt] == T_NONE) ||
+    (to == T_QUEUED && t_st[tt] == T_PENDING) ||
+    (to == T_COPYING && t_st[tt] == T_QUEUED) ||
+    (to == T_HOST_READY && t_st[tt] == T_COPYING) ||
+    (to == T_WRITTEN && t_st[tt] == T_HOST_READY) ||
+    (to == T_FAILED && t_st[tt] >= T_PENDING && t_st[tt] <= T_HOST_READY));
+  t_st[tt] = to
+}
+
+/* FAIL-3: every wait is bounded. A wait that is not satisfied at once gives
+ * up the atomicity (the thread blocks outside the state lock); the Clock may
+ * then let its deadline pass. A wait that nobody can ever satisfy would be a
+ * hang, which the timeout branch turns into a violation. */
+inline wait_for(who, c) {
+  if
+  :: c -> skip
+  :: else ->
+     waiting = waiting | (who);
+     if
+     :: (c) || (tmo_fire & (who)) != 0 -> skip
+     :: timeout -> CHECK(FAIL_3, 0)
+     fi;
+     waiting = waiting & ~(who)
+  fi
+}
+
+/* D8 says every public entry drains the completion records before it
+ * decides anything. Since no decision is taken between a record being
+ * published and the next entry's drain, the model drains right at publish:
+ * the states in between differ only in data nobody reads, and the entries'
+ * own drain (ENTRY_DRAIN) has nothing left to do. The TASK-6 variant, which
+ * wakes before it publishes, still shows a waiter that finds no record. */
+#define EAGER_DRAIN drain()
+#define ENTRY_DRAIN skip
+
+inline q_push_back(tt) {
+  q[qlen] = tt; qlen++; t_inq[tt] = 1
+}
+
+inline q_push_front(tt) {
+  qi = qlen;
+  do
+  :: qi > 0 -> q[qi] = q[qi - 1]; qi--
+  :: else -> break
+  od;
+  q[0] = tt; qlen++; t_inq[tt] = 1; qi = 0
+}
+
+inline q_remove(tt) {
+  qi = 0;
+  do
+  :: qi < qlen && q[qi] != tt -> qi++
+  :: else -> break
+  od;
+  if
+  :: qi < qlen ->
+     do
+     :: qi + 1 < qlen -> q[qi] = q[qi + 1]; qi++
+     :: else -> break
+     od;
+     qlen--; q[qlen] = 0; t_inq[tt] = 0
+  :: else -> skip
+  fi;
+  qi = 0
+}
+
+/* TASK-4: escalation moves a write to the front of the high-priority queue;
+ * it never touches a write the committer already took (TASK-2). */
+inline escalate(tt) {
+  d_step {
+  if
+  :: tt != 0 && t_st[tt] == T_PENDING -> MOVE(tt, T_QUEUED); q_push_front(tt)
+  :: tt != 0 && t_st[tt] == T_QUEUED && t_inq[tt] -> q_remove(tt); q_push_front(tt)
+#ifdef BUG_REQUEUE
+  /* Origin double-write race: the committer popped the task but has not yet
+   * marked it COPYING, and escalation pushes it back onto the queue. */
+  :: tt != 0 && t_st[tt] == T_QUEUED && !t_inq[tt] -> q_push_front(tt)
+#endif
+  :: else -> skip
+  fi
+  }
+}
+
+/* BUDGET-1: charged once per clone allocation, uncharged once, when the last
+ * task viewing it has copied or failed. */
+inline budget_inv() {
+  d_step {
+  bsum = bpend; bk = 1;
+  do
+  :: bk <= MAXSTEP ->
+     bsum = bsum + tk_imm[bk] + (tk_def[bk] > 0 -> 1 : 0); bk++
+  :: else -> break
+  od;
+  CHECK(BUDGET_1, bsum == bused);
+  bsum = 0; bk = 0
+  }
+}
+
+inline uncharge(tt) {
+  d_step {
+  if
+  :: t_kind[tt] == 0 ->
+     CHECK(BUDGET_1, tk_imm[t_step[tt]] == 1 && bused > 0);
+     tk_imm[t_step[tt]] = 0; bused--
+  :: else ->
+     uk = 1;
+     do
+     :: uk <= MAXSTEP ->
+        if
+        :: HAS(t_views[tt], uk) ->
+           CHECK(BUDGET_1, tk_def[uk] > 0);
+           tk_def[uk]--;
+           if
+           :: tk_def[uk] == 0 -> CHECK(BUDGET_1, bused > 0); bused--
+           :: else -> skip
+           fi
+        :: else -> skip
+        fi;
+        uk++
+     :: else -> break
+     od;
+     uk = 0
+  fi;
+  t_pin[tt] = 0;
+  budget_inv()
+  }
+}
+
+inline release_task_page(tt) {
+  if
+  :: t_kind[tt] == 0 && pg_task[t_page[tt]] == tt -> pg_task[t_page[tt]] = 0
+  :: else -> skip
+  fi
+}
+
+/* FAIL-1 and TASK-6: a failed write releases its page and budget and
+ * publishes its failure record before its waiters are woken. */
+inline fail_task(tt) {
+  d_step {
+  MOVE(tt, T_FAILED);
+  if
+  :: t_pin[tt] -> uncharge(tt)
+  :: else -> skip
+  fi;
+  release_task_page(tt);
+  t_rec[tt] = 2;
+  t_hr[tt] = 1; t_done[tt] = 1
+  }
+}
+
+/* D8: every public entry drains the completion records under the lock.
+ * SLOT-3: only slots the write still owns become COMMITTED. */
+inline drain() {
+  d_step {
+  dt = 1;
+  do
+  :: dt < MAXT ->
+     if
+     :: t_rec[dt] != 0 && !t_drained[dt] ->
+        t_drained[dt] = 1;
+        if
+        :: t_rec[dt] == 1 ->
+           dk = t_kind[dt]; ds = 0;
+           do
+           :: ds < NSLOT ->
+              if
+              :: (HAS(t_mask[dt], ds) && own[SK(ds, dk)] == dt) ->
+                 CHECK(SLOT_3, pool[SK(ds, dk)] == t_val[dt * NSLOT + ds]);
+                 own[SK(ds, dk)] = O_COMMITTED; gclaim[SK(ds, dk)] = 0
+              :: else -> skip
+              fi;
+              ds++
+           :: else -> break
+           od
+        :: else -> fatal = 1
+        fi
+     :: else -> skip
+     fi;
+     dt++
+  :: else -> break
+  od;
+  /* Forget what nobody can look at any more: a drained, ended write that no
+   * pending read, open request, barrier or slot refers to. Only its state
+   * drained flag and wake events stay (waiters and the liveness claims read
+   * them). This
+   * keeps states that differ only in dead data from being told apart. */
+  dt = 1;
+  do
+  :: dt < MAXT ->
+     if
+     :: t_drained[dt] && (t_st[dt] == T_WRITTEN || t_st[dt] == T_FAILED) && t_mask[dt] != 0 &&
+        r_def[0] != dt && r_def[1] != dt && r_jns[0] != dt && r_jns[1] != dt &&
+        !HAS(esc, dt) && s_jns[1] != dt && s_jns[2] != dt && s_jns[3] != dt &&
+        s_jns[MAXSTEP] != dt && s_jns[MAXSTEP - 1] != dt ->
+        ds = 0;
+        do
+        :: ds < NRE && !((r_src[ds] == R_AFTER || r_src[ds] == R_TASK) && r_tid[ds] == dt) -> ds++
+        :: else -> break
+        od;
+        dk = 0;
+        do
+        :: dk < NSLOT * 2 && own[dk] != dt -> dk++
+        :: else -> break
+        od;
+        if
+        :: ds == NRE && dk == NSLOT * 2 ->
+           t_kind[dt] = 0; t_mask[dt] = 0; t_tomb[dt] = 0; t_step[dt] = 0; t_page[dt] = 0;
+           t_req[dt] = 0; t_views[dt] = 0; t_rec[dt] = 0;
+           t_copies[dt] = 0;
+           t_val[dt * NSLOT] = 0; t_val[dt * NSLOT + 1] = 0;
+           t_val[dt * NSLOT + 2] = 0; t_val[dt * NSLOT + 3] = 0
+        :: else -> skip
+        fi
+     :: else -> skip
+     fi;
+     dt++
+  :: else -> break
+  od;
+  dt = 0; ds = 0; dk = 0
+  }
+}
+
+/* HIT-6: before a claim or an explicit absence changes a slot, a pending
+ * read of an unconsumed step that planned on the COMMITTED row at the same
+ * version gets that row preserved. */
+inline cow(cs, ck) {
+#ifndef BUG_NO_VERSION
+  ce = 0;
+  do
+  :: ce < NRE ->
+     if
+     :: (r_src[ce] == R_POOL || r_src[ce] == R_AFTER) && RE_KEY(ce) == ck &&
+        RE_SLOT(ce) == cs && own[SK(cs, ck)] == O_COMMITTED &&
+        ver[SK(cs, ck)] == r_ver[ce] && r_pres[ce] == 0 ->
+        r_pres[ce] = pool[SK(cs, ck)] + 1
+     :: else -> skip
+     fi;
+     ce++
+  :: else -> break
+  od;
+  ce = 0
+#else
+  skip
+#endif
+}
+
+/* SLOT-2: a claim bumps the version and displaces (tombstones) the owner. */
+inline claim(cs, ck, ct) {
+  d_step {
+  cow(cs, ck);
+  co = own[SK(cs, ck)];
+  if
+  :: IS_TID(co) ->
+     /* TASK-3: an immediate slot is never claimed while an older immediate
+      * write of it has not landed in the pool. */
+     CHECK(TASK_3, ck == 1 || t_st[co] == T_WRITTEN || t_st[co] == T_FAILED);
+     t_tomb[co] = t_tomb[co] | BIT(cs)
+  :: else -> skip
+  fi;
+  own[SK(cs, ck)] = ct; ver[SK(cs, ck)]++; gclaim[SK(cs, ck)] = ct;
+  co = 0
+  }
+}
+
+/* SLOT-4: a request with scheduled tokens that does not emit the sparse key
+ * leaves explicit absence in its slots, never the older tenant's rows. */
+inline mark_absent(cs) {
+  d_step {
+#ifndef BUG_ABSENT_NO_COW
+  cow(cs, 1);
+#endif
+  co = own[SK(cs, 1)];
+  if
+  :: IS_TID(co) -> t_tomb[co] = t_tomb[co] | BIT(cs)
+  :: else -> skip
+  fi;
+  own[SK(cs, 1)] = O_ABSENT; ver[SK(cs, 1)]++; gclaim[SK(cs, 1)] = O_ABSENT;
+  co = 0
+  }
+}
+
+/* D4: plan the reads of a request that starts with a hit, at new_step_starts. */
+inline plan_reads(K) {
+  d_step {
+  pe = RE(K, 0, 0);
+  do
+  :: pe <= RE(K, 1, 1) ->
+     px = own[SK(RE_SLOT(pe), RE_KEY(pe))];
+     if
+     :: px == O_COMMITTED ->
+        r_src[pe] = R_POOL; r_ver[pe] = ver[SK(RE_SLOT(pe), RE_KEY(pe))]
+     :: IS_TID(px) ->
+        r_src[pe] = (RE_KEY(pe) == 0 -> R_AFTER : R_TASK); r_tid[pe] = px;
+        r_ver[pe] = ver[SK(RE_SLOT(pe), RE_KEY(pe))]
+     :: else ->
+        r_src[pe] = (RE_KEY(pe) == 0 -> R_HIT4 : R_ZEROS)
+     fi;
+     pe++
+  :: else -> break
+  od;
+  pe = 0; px = 0
+  }
+}
+
+/* D4: at save, the reads registered by this step's starts switch to this
+ * step's producer (HIT-5) or to zeros where it left absence; the sparse key
+ * is dropped when the step did not emit it at all (OUT-6). The ghost
+ * expectation is taken from the engine's ground truth now. */
+inline replan_reads(K) {
+  d_step {
+  pe = RE(K, 0, 0);
+  do
+  :: pe <= RE(K, 1, 1) ->
+     px = RE_SLOT(pe);
+     if
+     :: RE_KEY(pe) == 0 ->
+        if
+        :: HAS(m_imm, px) -> r_src[pe] = R_THIS; r_pres[pe] = 0
+        :: else -> skip
+        fi;
+        r_exp[pe] = (gt0[px] == 0 -> EXP_ERR : gt0[px])
+     :: else ->
+        if
+        :: m_def == 0 -> r_src[pe] = R_NONE; r_tid[pe] = 0; r_ver[pe] = 0; r_pres[pe] = 0;
+           REACH(16)                                 /* OUT-6: key not emitted, read dropped */
+        :: m_def != 0 && HAS(m_def, px) -> r_src[pe] = R_THIS; r_pres[pe] = 0
+#ifndef BUG_SPARSE_OLD
+        :: m_def != 0 && HAS(m_abs, px) -> r_src[pe] = R_ZEROS; r_pres[pe] = 0
+#endif
+        :: else -> skip
+        fi;
+        r_exp[pe] = (r_src[pe] == R_NONE -> 0 : gt1[px])
+     fi;
+     pe++
+  :: else -> break
+  od;
+  pe = 0; px = 0
+  }
+}
+
+inline dispose_reads(K) {
+  d_step {
+  pe = RE(K, 0, 0);
+  do
+  :: pe <= RE(K, 1, 1) ->
+     r_src[pe] = R_NONE; r_tid[pe] = 0; r_ver[pe] = 0; r_pres[pe] = 0; r_exp[pe] = 0;
+     pe++
+  :: else -> break
+  od;
+  pe = 0
+  }
+}
+
+/* ------------------------------------------------------- engine helpers */
+
+#define BLK_USED(b) (e_blk[0] == (b) + 1 || e_blk[1] == (b) + 1 || \
+                     e_blk[2] == (b) + 1 || e_blk[3] == (b) + 1)
+#define NFREE ((BLK_USED(0) -> 0 : 1) + (BLK_USED(1) -> 0 : 1))
+/* New blocks needed to schedule n tokens of request r from its position. */
+#define NEED(r, n) ((e_pos[r] % 2 == 0 && e_blk[(r) * 2 + e_pos[r] / 2] == 0 -> 1 : 0) + \
+                    ((n) == 2 && e_pos[r] % 2 == 1 && e_pos[r] + 1 < 4 && \
+                     e_blk[(r) * 2 + (e_pos[r] + 1) / 2] == 0 -> 1 : 0))
+#define CAN(r, n) (e_pos[r] + (n) <= 4 && NEED(r, n) <= NFREE)
+
+inline lowest_free(res) {
+  res = 0;
+  do
+  :: res < NBLK && BLK_USED(res) -> res++
+  :: else -> break
+  od
+}
+
+/* Compute n tokens of request r in step K (allocating blocks lowest first). */
+inline schedule(K, r, n) {
+  d_step {
+  fn = 0;
+  do
+  :: fn < n ->
+     if
+     :: e_blk[r * 2 + e_pos[r] / 2] == 0 ->
+        lowest_free(fb);
+        CHECK(MODEL_BOUND, fb < NBLK);
+        e_blk[r * 2 + e_pos[r] / 2] = fb + 1;
+        b_fill[fb] = 0; b_cached[fb] = 0; b_virgin[fb] = 0
+     :: else -> skip
+     fi;
+     fq = (e_blk[r * 2 + e_pos[r] / 2] - 1) * 2 + e_pos[r] % 2;
+     c_mask[r] = c_mask[r] | BIT(fq);
+     gt0[fq] = K;
+     b_fill[fq / 2]++;
+     if
+     :: b_fill[fq / 2] == BS -> b_cached[fq / 2] = 1   /* hash published at allocation */
+     :: else -> skip
+     fi;
+     e_pos[r]++; fn++
+  :: else -> break
+  od;
+  fn = 0; fq = 0; fb = 0
+  }
+}
+
+inline choose_tokens(K, r, n) {
+  /* A request mid-block may compute one token (completing the block) or two;
+   * at a block boundary it computes as much as it can. One-token steps give
+   * half-written blocks, so a hit can mix two sources. */
+  if
+  :: e_pos[r] % 2 == 1 && CAN(r, 1) -> n = 1
+  :: CAN(r, 2) -> n = 2
+  :: e_pos[r] % 2 == 0 && !CAN(r, 2) && CAN(r, 1) -> n = 1
+  :: !CAN(r, 1) -> n = 0
+  fi;
+  choose_new_tokens(K, r, n)
+}
+
+inline choose_new_tokens(K, r, n) {
+  if
+  :: n > 0 ->
+     cs1 = e_pos[r];
+     schedule(K, r, n);
+     c_emit[r] = e_emit[r];
+     printf("ACT sched step=%d req=%d pos=%d n=%d blk0=%d blk1=%d key1=%d\n", K, r, cs1, n,
+            e_blk[r * 2] - 1, e_blk[r * 2 + 1] - 1, c_emit[r]);
+     cs1 = 0
+  :: else -> skip
+  fi;
+  n = 0
+}
+
+/* A request that is not live may start: a miss, a hit on a cached block, or
+ * (DIVERGED) a hit on a block the cache never saw, which HIT-4 must refuse. */
+inline maybe_start(K, r, n, hb) {
+  if
+  :: !e_live[r] && starts_left > 0 && (r == 0 || e_live[0]) ->
+     if
+     :: e_live[0] || e_live[1] -> skip   /* an idle engine would just end the run */
+     :: NFREE > 0 ->
+        hb = 0
+     :: s_hreq[K] == 0 && b_cached[0] && NFREE - (BLK_USED(0) -> 0 : 1) > 0 ->
+        hb = 1
+     :: s_hreq[K] == 0 && b_cached[1] && NFREE - (BLK_USED(1) -> 0 : 1) > 0 ->
+        hb = 2
+     :: DIVERGED && K == 1 && s_hreq[K] == 0 && faults_left > 0 && b_virgin[0] &&
+        !BLK_USED(0) && NFREE > 1 ->
+        hb = 1; faults_left--; b_virgin[0] = 0; b_fill[0] = BS; b_cached[0] = 1
+     :: DIVERGED && K == 1 && s_hreq[K] == 0 && faults_left > 0 && !(b_virgin[0] && !BLK_USED(0)) &&
+        b_virgin[1] && !BLK_USED(1) && NFREE > 1 ->
+        hb = 2; faults_left--; b_virgin[1] = 0; b_fill[1] = BS; b_cached[1] = 1
+     fi;
+     if
+     :: hb != 255 ->
+        starts_left--; e_live[r] = 1; c_new[r] = 1;
+        /* Whether this request emits the sparse mm key (in every step it
+         * runs); a tenant that does not emit it after one that did is the
+         * SLOT-4 case. The first request of a run emits it: a run that
+         * starts without it is a run where the key appears later, which the
+         * later admissions already cover. */
+        if
+        :: e_emit[r] = 1
+        :: starts_left < STARTS - 1 -> e_emit[r] = 0
+        fi;
+        if
+        :: hb == 0 ->
+           printf("ACT start step=%d req=%d hit=0 blk=-1 key1=%d\n", K, r, e_emit[r])
+        :: else ->
+           e_blk[r * 2] = hb; e_pos[r] = BS;
+           s_hreq[K] = r + 1; s_hblk[K] = hb - 1;
+           printf("ACT start step=%d req=%d hit=%d blk=%d key1=%d\n", K, r, BS, hb - 1, e_emit[r])
+        fi;
+        /* A new request computes a whole block. Only the first request of
+         * a run may compute a single token: that half-written block, which
+         * the request completes in a later step, is what lets one hit mix
+         * an earlier step's rows with this step's (HIT-5); more half blocks
+         * add combinations of the same situations. */
+        if
+        :: starts_left == STARTS - 1 && CAN(r, 1) -> n = 1
+        :: CAN(r, 2) -> n = 2
+        :: !CAN(r, 2) -> n = 1
+        fi;
+        choose_new_tokens(K, r, n)
+     :: else -> skip
+     fi;
+     hb = 255
+  :: else -> skip
+  fi
+}
+
+/* ------------------------------------------------------------- engine */
+
+proctype Engine() {
+  byte K = 1;
+  byte n;
+  byte hb = 255;
+  byte ft;
+  byte charge;
+  byte p;
+  bool serr;
+  bool idle;
+
+  /* One engine step is one atomic block: the locked parts of the public
+   * calls never interleave anyway (one state lock), and the unlocked waits
+   * (save barrier, budget flush, page claim) are blocking statements inside
+   * it, where the atomicity is given up until the wait ends. So the other
+   * threads run exactly where the engine thread could be overtaken. */
+  do
+  :: K > MAXSTEP -> break
+  :: K <= MAXSTEP ->
+     atomic {
+       /* Compose the step: finish/abort events first (HIT-2), then running
+        * requests are scheduled (their completed blocks become hittable in
+        * this very step), then new requests start. */
+       /* A request whose block table is full has nothing left to compute
+        * and finishes; any other running request may finish or abort. */
+       if
+       :: e_live[0] -> if :: c_fin[0] = 1 :: e_pos[0] < 4 -> skip fi
+       :: else -> skip
+       fi;
+       if
+       :: e_live[1] -> if :: c_fin[1] = 1 :: e_pos[1] < 4 -> skip fi
+       :: else -> skip
+       fi;
+       if
+       :: c_fin[0] -> e_live[0] = 0; e_blk[0] = 0; e_blk[1] = 0; e_pos[0] = 0;
+          printf("ACT finish step=%d req=0\n", K)
+       :: else -> skip
+       fi;
+       if
+       :: c_fin[1] -> e_live[1] = 0; e_blk[2] = 0; e_blk[3] = 0; e_pos[1] = 0;
+          printf("ACT finish step=%d req=1\n", K)
+       :: else -> skip
+       fi;
+       if
+       :: e_live[0] -> choose_tokens(K, 0, n)
+       :: else -> skip
+       fi;
+       if
+       :: e_live[1] -> choose_tokens(K, 1, n)
+       :: else -> skip
+       fi;
+       maybe_start(K, 0, n, hb);
+       maybe_start(K, 1, n, hb);
+       m_imm = c_mask[0] | c_mask[1];
+       m_def = (c_emit[0] -> c_mask[0] : 0) | (c_emit[1] -> c_mask[1] : 0);
+       m_abs = m_imm & ~m_def;
+       /* Ground truth of the sparse key for the slots computed now. */
+       fn = 0;
+       do
+       :: fn < NSLOT ->
+          if
+          :: HAS(m_def, fn) -> gt1[fn] = K
+          :: HAS(m_abs, fn) -> gt1[fn] = 0
+          :: else -> skip
+          fi;
+          fn++
+       :: else -> break
+       od;
+       fn = 0;
+       /* Nothing to run: the engine winds down (finishes are delivered
+        * below). */
+       idle = (m_imm == 0);
+
+       /* new_step_starts: drain, escalate finished requests' writes
+        * (TASK-4), register hits and plan their reads (D4). */
+       if
+       :: idle -> skip
+       :: else ->
+          ENTRY_DRAIN;
+          if
+          :: fatal ->
+             printf("ACT new_step step=%d -> error=fatal\n", K);
+             serr = 1
+          :: else ->
+             CHECK(FAIL_1, !g_fail_pub);
+             if
+             :: c_fin[0] ->
+                if
+                :: r_def[0] != 0 && t_st[r_def[0]] < T_WRITTEN -> esc = esc | BIT(r_def[0])
+                :: else -> skip
+                fi;
+                escalate(r_def[0]); escalate(r_jns[0]); r_def[0] = 0; r_jns[0] = 0
+             :: else -> skip
+             fi;
+             if
+             :: c_fin[1] ->
+                if
+                :: r_def[1] != 0 && t_st[r_def[1]] < T_WRITTEN -> esc = esc | BIT(r_def[1])
+                :: else -> skip
+                fi;
+                escalate(r_def[1]); escalate(r_jns[1]); r_def[1] = 0; r_jns[1] = 0
+             :: else -> skip
+             fi;
+             if
+             :: s_hreq[K] != 0 -> plan_reads(K)
+             :: else -> skip
+             fi;
+             printf("ACT new_step step=%d -> ok\n", K)
+          fi;
+          c_fin[0] = 0; c_fin[1] = 0
+       fi;
+
+       /* save_outputs, 1: the save barrier (TASK-3) waits the previous
+        * step's immediate write WRITTEN and the escalated deferred writes
+        * HOST_READY; bounded (FAIL-3). */
+       ft = s_jns[K - 1];
+#ifdef BUG_BARRIER_HOST_READY
+       /* Origin bug: the barrier waited host_ready only, so a reused slot
+        * could leave a pending pool write behind. */
+#define BAR_JNS (ft == 0 || t_hr[ft])
+#else
+#define BAR_JNS (ft == 0 || t_done[ft])
+#endif
+#define ESC_OK ((!HAS(esc, 1) || t_hr[1]) && (!HAS(esc, 2) || t_hr[2]) && \
+                (!HAS(esc, 3) || t_hr[3]) && (!HAS(esc, 4) || t_hr[4]) && \
+                (!HAS(esc, 5) || t_hr[5]) && (!HAS(esc, 6) || t_hr[6]) && \
+                (!HAS(esc, 7) || t_hr[7]) && (!HAS(esc, 8) || t_hr[8]) && \
+                (!HAS(esc, 9) || t_hr[9]) && (!HAS(esc, 10) || t_hr[10]) && \
+                (!HAS(esc, 11) || t_hr[11]) && (!HAS(esc, 12) || t_hr[12]))
+       if
+       :: idle || serr -> skip
+       :: else ->
+          if
+          :: !BAR_JNS -> REACH(10)                   /* the barrier waits a write */
+          :: BAR_JNS && !ESC_OK -> REACH(20)         /* ... an escalated deferred write */
+          :: else -> skip
+          fi;
+          wait_for(1, BAR_JNS && ESC_OK);
+          if
+          :: BAR_JNS && ESC_OK ->
+             tmo_fire = tmo_fire & ~1;
+             ENTRY_DRAIN;
+             /* TASK-6: a woken waiter finds the completion record and the
+              * page already released. */
+             CHECK(TASK_6, ft == 0 || !t_done[ft] ||
+                           (t_drained[ft] && pg_task[t_page[ft]] != ft));
+             if
+             :: fatal ->
+                printf("ACT barrier step=%d -> error=fatal\n", K); serr = 1
+             :: else ->
+                CHECK(FAIL_1, !g_fail_pub);
+                printf("ACT barrier step=%d -> ok\n", K)
+             fi;
+             esc = 0; s_jns[K - 1] = 0
+          :: else ->
+             tmo_fire = tmo_fire & ~1;
+             printf("ACT barrier step=%d -> error=timeout\n", K);
+             REACH(17);
+             serr = 1
+          fi
+       fi;
+       ft = 0;
+
+       /* save_outputs, 2: the budget (BUDGET-2): flush the oldest
+        * unfinished write until the step's clones fit; admit anyway when
+        * nothing is left to flush. */
+       charge = 1 + (m_def != 0 -> 1 : 0);
+       do
+       :: idle || serr -> break
+       :: !idle && !serr ->
+          ENTRY_DRAIN;
+          if
+          :: fatal ->
+             printf("ACT budget step=%d -> error=fatal\n", K); serr = 1
+          :: else ->
+             ft = 1;
+             do
+             :: ft < MAXT && !(t_st[ft] >= T_PENDING && t_st[ft] <= T_HOST_READY) -> ft++
+             :: else -> break
+             od;
+             if
+             :: bused + charge <= BUDGET || ft == MAXT ->
+                if
+                :: bused + charge > BUDGET -> REACH(12)   /* admitted with nothing to flush */
+                :: else -> skip
+                fi;
+                bused = bused + charge; bpend = charge; ft = 0;
+                printf("ACT budget step=%d charge=%d -> used=%d\n", K, charge, bused);
+                break
+             :: else ->
+                escalate(ft);
+                if
+                :: t_kind[ft] == 1 && r_def[t_req[ft]] == ft -> r_def[t_req[ft]] = 0
+                :: else -> skip
+                fi;
+                printf("ACT flush step=%d tid=%d\n", K, ft);
+                REACH(11);
+                wait_for(1, t_done[ft]);
+                if
+                :: t_done[ft] ->
+                   tmo_fire = tmo_fire & ~1;
+                   ENTRY_DRAIN;
+                   CHECK(TASK_6, t_drained[ft]);
+                   if
+                   :: fatal || t_st[ft] == T_FAILED ->
+                      printf("ACT flush_done step=%d tid=%d -> error=failed\n", K, ft); serr = 1
+                   :: else ->
+                      printf("ACT flush_done step=%d tid=%d -> ok\n", K, ft)
+                   fi
+                :: else ->
+                   tmo_fire = tmo_fire & ~1;
+                   printf("ACT flush_done step=%d tid=%d -> error=timeout\n", K, ft);
+                   serr = 1
+                fi;
+                ft = 0
+             fi
+          fi
+       od;
+
+       /* save_outputs, 3: claim a page (PAGE-4: wait, or time out), then
+        * the save itself under the lock (D6). */
+#define PFREE(x) (pg_step[x] == 0 && pg_task[x] == 0)
+       if
+       :: idle || serr -> skip
+       :: else ->
+          if
+          :: !(PFREE(0) || PFREE(1)) -> REACH(8)     /* a save waits for a page */
+          :: else -> skip
+          fi;
+          wait_for(1, PFREE(0) || PFREE(1))
+       fi;
+       if
+       :: idle || serr -> skip
+       :: !idle && !serr && (PFREE(0) || PFREE(1)) ->
+          tmo_fire = tmo_fire & ~1;
+          p = (PFREE(0) -> 0 : 1);
+          ENTRY_DRAIN;
+          if
+          :: fatal ->
+             /* STEP-5: a failed save leaves no trace. */
+             bused = bused - bpend; bpend = 0;
+             printf("ACT save step=%d -> error=fatal\n", K); serr = 1
+          :: else ->
+             CHECK(FAIL_1, !g_fail_pub);
+             CHECK(PAGE_3, pg_step[p] == 0 && pg_task[p] == 0);
+             CHECK(STEP_1, s_st[K] == S_UNSAVED);
+             pg_step[p] = K; pg_val[p] = K;
+             s_st[K] = S_OPEN; s_page[K] = p; nopen++;
+             CHECK(PAGE_2, nopen <= NPAGE);
+             /* D1: one immediate write for the whole step. */
+             ft = next_tid; next_tid++;
+             CHECK(MODEL_BOUND, ft < MAXT);
+             t_kind[ft] = 0; t_step[ft] = K; t_page[ft] = p; t_mask[ft] = m_imm;
+             fn = 0;
+             do
+             :: fn < NSLOT ->
+                if
+                :: HAS(m_imm, fn) -> claim(fn, 0, ft); t_val[ft * NSLOT + fn] = K
+                :: else -> skip
+                fi;
+                fn++
+             :: else -> break
+             od;
+             pg_task[p] = ft;
+             MOVE(ft, T_PENDING); MOVE(ft, T_QUEUED); q_push_back(ft);
+             t_pin[ft] = 1; tk_imm[K] = 1; s_jns[K] = ft;
+             if :: c_mask[0] != 0 -> r_jns[0] = ft :: else -> skip fi;
+             if :: c_mask[1] != 0 -> r_jns[1] = ft :: else -> skip fi;
+             sd0 = ft;
+             /* D2: the request's open deferred write, or a new one. */
+             n = 0;
+             do
+             :: n < NREQ ->
+                if
+                :: c_mask[n] != 0 && c_emit[n] ->
+                   ft = r_def[n];
+                   if
+                   :: ft == 0 ->
+                      ft = next_tid; next_tid++;
+                      CHECK(MODEL_BOUND, ft < MAXT);
+                      t_kind[ft] = 1; t_req[ft] = n; MOVE(ft, T_PENDING);
+                      r_def[n] = ft
+                   :: else ->
+                      /* TASK-1: appends only while the write has not started. */
+                      CHECK(TASK_1, t_st[ft] == T_PENDING);
+                      REACH(15)                      /* a later step appends */
+                   fi;
+                   fn = 0;
+                   do
+                   :: fn < NSLOT ->
+                      if
+                      :: HAS(c_mask[n], fn) -> claim(fn, 1, ft); t_val[ft * NSLOT + fn] = K
+                      :: else -> skip
+                      fi;
+                      fn++
+                   :: else -> break
+                   od;
+                   t_mask[ft] = t_mask[ft] | c_mask[n];
+                   t_views[ft] = t_views[ft] | BIT(K); t_pin[ft] = 1; tk_def[K]++;
+                   if :: n == 0 -> sd1 = ft :: else -> fb = ft fi
+                :: c_mask[n] != 0 && !c_emit[n] ->
+#ifndef BUG_SPARSE_OLD
+                   fn = 0;
+                   do
+                   :: fn < NSLOT ->
+                      if
+                      :: HAS(c_mask[n], fn) -> mark_absent(fn)
+                      :: else -> skip
+                      fi;
+                      fn++
+                   :: else -> break
+                   od;
+#endif
+                   skip
+                :: else -> skip
+                fi;
+                n++
+             :: else -> break
+             od;
+             n = 0; fn = 0; ft = 0;
+             bpend = 0;
+             budget_inv();
+             if
+             :: s_hreq[K] != 0 -> replan_reads(K)
+             :: else -> skip
+             fi;
+             /* d0/d1: the deferred write each request's rows went to (0: none). */
+             printf("ACT save step=%d page=%d tid=%d d0=%d d1=%d -> ok\n", K, p, sd0, sd1, fb);
+             sd0 = 0; sd1 = 0; fb = 0
+          fi
+       :: !idle && !serr && !(PFREE(0) || PFREE(1)) ->
+          tmo_fire = tmo_fire & ~1;
+          bused = bused - bpend; bpend = 0;
+          printf("ACT claim_timeout step=%d\n", K);
+          REACH(9);
+          serr = 1
+       fi;
+       p = 0; charge = 0;
+
+       if
+       :: serr ->
+          /* STEP-5: no step id, no page, no budget survives the failed
+           * save; the engine stops stepping and winds its requests down. */
+          CHECK(STEP_5, s_st[K] == S_UNSAVED && bpend == 0 &&
+                        pg_step[0] != K && pg_step[1] != K);
+          dispose_reads(K)
+       :: else -> skip
+       fi;
+       c_new[0] = 0; c_new[1] = 0; c_emit[0] = 0; c_emit[1] = 0;
+       c_mask[0] = 0; c_mask[1] = 0; m_imm = 0; m_def = 0; m_abs = 0;
+       if
+       :: !idle -> K++
+       :: else -> skip
+       fi
+     };
+     if
+     :: serr || idle -> break
+     :: else -> skip
+     fi
+  od;
+
+  /* Wind down: finish every live request (TASK-4 escalates their writes).
+   * Requests finished by a step that had nothing left to run are delivered
+   * here too. */
+  atomic {
+    if
+    :: e_live[0] || e_live[1] || c_fin[0] || c_fin[1] ->
+       ENTRY_DRAIN;
+       if
+       :: e_live[0] -> printf("ACT finish step=%d req=0\n", K)
+       :: else -> skip
+       fi;
+       if
+       :: e_live[1] -> printf("ACT finish step=%d req=1\n", K)
+       :: else -> skip
+       fi;
+       if
+       :: fatal ->
+          printf("ACT new_step step=%d -> error=fatal\n", K)
+       :: else ->
+          CHECK(FAIL_1, !g_fail_pub);
+          escalate(r_def[0]); escalate(r_jns[0]);
+          escalate(r_def[1]); escalate(r_jns[1]);
+          printf("ACT new_step step=%d -> ok\n", K)
+       fi
+    :: else -> skip
+    fi;
+    r_def[0] = 0; r_jns[0] = 0; r_def[1] = 0; r_jns[1] = 0;
+    e_live[0] = 0; e_live[1] = 0; e_emit[0] = 0; e_emit[1] = 0;
+    c_fin[0] = 0; c_fin[1] = 0;
+    eng_done = 1
+  };
+  bld_done;
+  /* FAIL-4: shutdown abandons the writes the committer has not taken; they
+   * end FAILED, their waiters are woken and their pages released. */
+  atomic {
+    shut = 1;
+    n = 0;
+    ft = 1;
+    do
+    :: ft < MAXT ->
+       if
+       :: t_st[ft] == T_PENDING || (t_st[ft] == T_QUEUED && t_inq[ft]) ->
+          q_remove(ft); fail_task(ft); n++; REACH(19)
+       :: else -> skip
+       fi;
+       ft++
+    :: else -> break
+    od;
+    EAGER_DRAIN;
+    printf("ACT shutdown -> abandoned=%d\n", n);
+    ft = 0; n = 0
+  }
+}
+
+/* ------------------------------------------------------------ builder */
+
+/* One hit read, under the lock: returns the value in px or an error in pe. */
+inline read_one(e, K) {
+  d_step {
+  if
+  :: r_src[e] == R_POOL || r_src[e] == R_AFTER ->
+     if
+     :: r_src[e] == R_AFTER && t_st[r_tid[e]] == T_FAILED -> px = 0; pe = E_FAILED
+     :: else ->
+        px = pool[SK(RE_SLOT(e), RE_KEY(e))];
+        if
+        :: r_pres[e] != 0 -> px = r_pres[e] - 1; REACH(1)   /* served from a preserved row */
+        :: else -> skip
+        fi;
+        if
+        :: r_src[e] == R_AFTER -> REACH(3)                  /* read after its write landed */
+        :: else -> skip
+        fi;
+#ifdef BUG_NO_VERSION
+        /* Origin bug: no versions, so no copy-on-write either; the only check
+         * was that the slot is not in transit under another write. */
+        pe = (IS_TID(own[SK(RE_SLOT(e), RE_KEY(e))]) &&
+              own[SK(RE_SLOT(e), RE_KEY(e))] != r_tid[e] -> E_HIT6 : E_OK)
+#else
+        pe = (r_pres[e] == 0 && ver[SK(RE_SLOT(e), RE_KEY(e))] != r_ver[e] -> E_HIT6 : E_OK)
+#endif
+     fi
+  :: r_src[e] == R_TASK ->
+     if
+     :: t_st[r_tid[e]] == T_FAILED -> px = 0; pe = E_FAILED
+     :: else -> px = t_val[r_tid[e] * NSLOT + RE_SLOT(e)]; pe = E_OK; REACH(2)  /* a deferred write's own rows */
+     fi
+  :: r_src[e] == R_ZEROS ->
+     px = 0; pe = E_OK;
+     if
+     :: pool[SK(RE_SLOT(e), 1)] != 0 -> REACH(6)   /* zeros over an older tenant's row */
+     :: else -> skip
+     fi
+  :: r_src[e] == R_THIS ->
+     px = (RE_KEY(e) == 0 -> pg_val[s_page[K]] : K); pe = E_OK;
+     if
+     :: RE_KEY(e) == 1 -> REACH(21)                  /* a same-step deferred producer */
+     :: else -> skip
+     fi
+  :: r_src[e] == R_HIT4 -> px = 0; pe = E_HIT4
+  :: else -> px = 0; pe = E_OK
+  fi
+  }
+}
+
+/* The oracle: the newest completed write of that slot and key as the engine
+ * computed it, zeros for explicit absence, or an error where SPEC demands. */
+inline check_read(e, K) {
+  d_step {
+  if
+  :: pe != E_OK ->
+     printf("ACT read_error step=%d req=%d key=%d slot=%d reason=%e\n", K,
+            s_hreq[K] - 1, RE_KEY(e), RE_SLOT(e),
+            (pe == E_HIT4 -> hit4 : (pe == E_HIT6 -> hit6 : failed)));
+     CHECK(HIT_4, pe != E_HIT4 || r_exp[e] == EXP_ERR);
+     if
+     :: pe == E_HIT4 -> REACH(5)                     /* a hidden hit the cache never saw */
+     :: else -> skip
+     fi;
+     CHECK(HIT_6, pe != E_HIT6);
+     CHECK(FAIL_1, pe != E_FAILED || g_fail_pub)
+  :: else ->
+     printf("ACT read step=%d req=%d key=%d slot=%d -> val=%d\n", K,
+            s_hreq[K] - 1, RE_KEY(e), RE_SLOT(e), px);
+     CHECK(HIT_4, r_exp[e] != EXP_ERR);
+     CHECK(SLOT_4, RE_KEY(e) == 0 || r_exp[e] != 0 || px == 0);
+     CHECK(HIT_5, r_src[e] != R_THIS || px == r_exp[e]);
+     CHECK(HIT_6, px == r_exp[e])
+  fi
+  }
+}
+
+/* End of a consume: release the step's page (PAGE-3), dispose its reads,
+ * count it consumed exactly once (STEP-1); probe STEP-2 once. */
+inline end_consume(K, e, err) {
+       CHECK(STEP_1, s_st[K] == S_TAKEN);
+       s_st[K] = S_CONSUMED; nopen--;
+       if
+       :: pg_step[s_page[K]] == K -> pg_step[s_page[K]] = 0
+       :: else -> skip
+       fi;
+       dispose_reads(K);
+       if
+       :: err == 0 || err == 2 -> printf("ACT consumed step=%d -> ok\n", K)
+       :: else -> printf("ACT consumed step=%d -> error\n", K)
+       fi;
+       /* STEP-2: consuming the same id again raises and changes nothing
+        * (probed once, right after the first consume of step 1). */
+       if
+       :: K == 1 ->
+          e = nopen; err = pg_step[0] + pg_step[1] * 16;
+          ENTRY_DRAIN;
+          printf("ACT consume_again step=1 -> error=unmatch\n");
+          CHECK(STEP_2, s_st[1] == S_CONSUMED && nopen == e &&
+                        pg_step[0] + pg_step[1] * 16 == err)
+       :: else -> skip
+       fi;
+  K = 0; e = 0; err = 0
+}
+
+proctype Builder() {
+  byte K;
+  byte e;
+  byte err;
+
+  do
+  :: atomic {
+       (s_st[1] == S_OPEN || s_st[2] == S_OPEN || s_st[3] == S_OPEN
+#if MAXSTEP > 3
+        || s_st[4] == S_OPEN
+#endif
+       ) ->
+       if
+       :: s_st[1] == S_OPEN -> K = 1
+       :: s_st[2] == S_OPEN -> K = 2
+       :: s_st[3] == S_OPEN -> K = 3
+#if MAXSTEP > 3
+       :: s_st[4] == S_OPEN -> K = 4
+#endif
+       fi;
+       ENTRY_DRAIN;
+       s_st[K] = S_TAKEN;
+       if
+       :: fatal ->
+          /* FAIL-1: the call raises; the step still counts as consumed. */
+          printf("ACT materialize step=%d -> error=fatal\n", K);
+          REACH(18);
+          err = 1
+       :: else ->
+          CHECK(FAIL_1, !g_fail_pub);
+          /* discard_step drops only the read side; it is offered for steps
+           * with a hit, where that differs from a materialize. */
+          if
+          :: printf("ACT materialize step=%d -> ok\n", K)
+          :: s_hreq[K] != 0 -> printf("ACT discard step=%d -> ok\n", K); err = 2
+          fi
+       fi;
+#ifdef BUG_PAGE_EARLY
+       /* The page goes back before the builder copied the step's own rows
+        * out of it, so a concurrent save can overwrite them (DEV-2). */
+       pg_step[s_page[K]] = 0;
+#endif
+       if
+       :: err != 0 -> end_consume(K, e, err)
+       :: else -> skip
+       fi
+#ifdef BUG_PAGE_EARLY
+     };
+     /* The variant needs the window between the begin and the end of the
+      * materialize; in the protocol nobody can observe it (the held page
+      * protects the step's rows, and reads stay pending for copy-on-write
+      * until they are read), so the two run as one step unless the join
+      * below has to wait. */
+     atomic {
+#else
+       ;
+#endif
+       if
+       :: K == 0 -> skip
+       :: else ->
+       /* HIT-3: an in-transit immediate row is read from the pool after its
+        * write is WRITTEN; one bounded join for all of them (FAIL-3). */
+#define AFTER_OK(x) (r_src[x] != R_AFTER || t_done[r_tid[x]])
+#define JOIN_OK (AFTER_OK(RE(K, 0, 0)) && AFTER_OK(RE(K, 0, 1)))
+       if
+       :: err != 0 -> skip
+       :: else -> wait_for(2, JOIN_OK)
+       fi;
+       if
+       :: err != 0 -> skip
+       :: err == 0 && JOIN_OK ->
+          tmo_fire = tmo_fire & ~2;
+          ENTRY_DRAIN;
+          CHECK(TASK_6, r_src[RE(K, 0, 0)] != R_AFTER || t_drained[r_tid[RE(K, 0, 0)]]);
+          CHECK(TASK_6, r_src[RE(K, 0, 1)] != R_AFTER || t_drained[r_tid[RE(K, 0, 1)]]);
+          if
+          :: fatal -> printf("ACT join step=%d -> error=fatal\n", K); err = 1
+          :: else ->
+             /* Reads in a fixed order; the first error raises. */
+             e = RE(K, 0, 0);
+             do
+             :: e <= RE(K, 1, 1) ->
+                if
+                :: r_src[e] != R_NONE ->
+                   read_one(e, K);
+                   check_read(e, K);
+                   if
+                   :: pe != E_OK -> err = 3; break
+                   :: else -> skip
+                   fi
+                :: else -> skip
+                fi;
+                e++
+             :: else -> break
+             od;
+             pe = 0; px = 0;
+             if
+             :: err == 0 && s_hreq[K] != 0 &&
+                (r_src[RE(K, 0, 0)] == R_THIS) != (r_src[RE(K, 0, 1)] == R_THIS) ->
+                REACH(4)                             /* one hit, two sources */
+             :: else -> skip
+             fi;
+             if
+             :: err == 0 ->
+                /* PAGE-3 / DEV-2: the step's own rows still sit in its page. */
+                printf("ACT own step=%d page=%d -> val=%d\n", K, s_page[K], pg_val[s_page[K]]);
+                CHECK(PAGE_3, pg_val[s_page[K]] == K)
+             :: else -> skip
+             fi
+          fi
+       :: err == 0 && !JOIN_OK ->
+          tmo_fire = tmo_fire & ~2;
+          printf("ACT join step=%d -> error=timeout\n", K);
+          err = 1
+       fi;
+       end_consume(K, e, err)
+       fi
+     }
+  :: atomic {
+       eng_done && nopen == 0 ->
+       /* STEP-1: every issued id was consumed exactly once. */
+       CHECK(STEP_1, s_st[1] != S_OPEN && s_st[2] != S_OPEN && s_st[3] != S_OPEN &&
+                     s_st[MAXSTEP] != S_OPEN);
+       bld_done = 1
+     };
+     break
+  od
+}
+
+/* ---------------------------------------------------------- committer */
+
+/* The pool-write stage of a write that is HOST_READY: the rows it still
+ * owns go to the pool, then (TASK-6) the page is released, the completion
+ * record published, and only then are waiters woken. */
+inline write_stage(t) {
+  if
+  :: skip ->
+     ds = 0;
+     do
+     :: ds < NSLOT ->
+        if
+        :: (HAS(t_mask[t], ds)
+#ifndef BUG_IGNORE_TOMBSTONE
+            && !HAS(t_tomb[t], ds)
+#endif
+           ) ->
+           /* SLOT-2: the newest tenant always wins. */
+           CHECK(SLOT_2, gclaim[SK(ds, t_kind[t])] == t);
+           if
+           :: t_kind[t] == 0 ->
+              /* PAGE-3: the page is still held while it is read. */
+              CHECK(PAGE_3, pg_task[t_page[t]] == t);
+              pool[SK(ds, 0)] = pg_val[t_page[t]]
+           :: else ->
+              pool[SK(ds, 1)] = t_val[t * NSLOT + ds]
+           fi
+        :: HAS(t_mask[t], ds) && HAS(t_tomb[t], ds) -> REACH(7)   /* a tombstone skips a row */
+        :: else -> skip
+        fi;
+        ds++
+     :: else -> break
+     od;
+     ds = 0;
+#ifdef BUG_WAKE_EARLY
+     /* Origin bug: done was set before the completion record was appended,
+      * so a woken joiner drained nothing; the record follows later. */
+     MOVE(t, T_WRITTEN); t_done[t] = 1; pubt = t;
+#else
+     release_task_page(t); t_rec[t] = 1; EAGER_DRAIN;
+     MOVE(t, T_WRITTEN); t_done[t] = 1;
+#endif
+     printf("ACT pool_write tid=%d -> ok\n", t)
+  :: FAILURES && faults_left > 0 ->
+     faults_left--; g_fail_pub = 1;
+     fail_task(t); EAGER_DRAIN;
+     if :: t_kind[t] == 1 -> REACH(22) :: else -> skip fi;   /* a deferred pool write fails */
+     printf("ACT pool_write tid=%d -> error=write\n", t)
+  fi
+}
+
+proctype Committer() {
+  byte t;
+  byte pubt;
+
+end_idle:
+  do
+  :: atomic {
+       qlen > 0 && pubt == 0 ->
+       t = q[0];
+       q_remove(t);
+#ifdef BUG_REQUEUE
+       printf("ACT pop tid=%d\n", t)
+     };
+     atomic {
+#endif
+       /* TASK-2: the copy stage is claimed in the same step as the pop, so
+        * escalation can never re-queue it. */
+       MOVE(t, T_COPYING);
+       CHECK(TASK_2, t_copies[t] == 0);
+       t_copies[t] = 1;
+       if
+       :: MOVE(t, T_HOST_READY);
+          uncharge(t);
+          t_hr[t] = 1;
+          printf("ACT copy tid=%d -> ok\n", t)
+       :: FAILURES && faults_left > 0 ->
+          faults_left--; g_fail_pub = 1;
+          fail_task(t); EAGER_DRAIN;
+          if :: t_kind[t] == 0 -> REACH(13) :: else -> REACH(14) fi;
+          printf("ACT copy tid=%d -> error=copy\n", t)
+       fi;
+#ifndef BUG_BARRIER_HOST_READY
+       /* Nobody observes an immediate write between HOST_READY and WRITTEN
+        * in this protocol (the save barrier and every reader wait WRITTEN),
+        * so its pool write follows in the same step; the barrier variant
+        * needs that window and keeps it. */
+       if
+       :: t_st[t] == T_HOST_READY && t_kind[t] == 0 -> write_stage(t)
+       :: else -> skip
+       fi;
+#endif
+       skip
+     };
+     if
+     :: t_st[t] == T_HOST_READY -> atomic { write_stage(t) }
+     :: else -> skip
+     fi;
+     t = 0
+  :: atomic {
+       pubt != 0 ->
+       release_task_page(pubt); t_rec[pubt] = 1; EAGER_DRAIN;
+       printf("ACT publish tid=%d\n", pubt);
+       pubt = 0
+     }
+  :: atomic {
+       shut && qlen == 0 && pubt == 0 ->
+       /* End of run: every page free, every write ended, budget empty. */
+       CHECK(PAGE_3, PFREE(0) && PFREE(1));
+       CHECK(BUDGET_1, bused == 0);
+       comm_done = 1;
+       t = 1;
+       do
+       :: t < MAXT ->
+          CHECK(TASK_2, t_st[t] == T_NONE || t_st[t] == T_WRITTEN || t_st[t] == T_FAILED);
+          t++
+       :: else -> break
+       od;
+       t = 0
+     };
+     break
+  od
+}
+
+/* The deadlines: while a thread is blocked in a wait, its bound may pass
+ * (one fault per run); the waiter then raises a typed error. */
+proctype Clock() {
+end_clock:
+  do
+  :: comm_done -> break   /* the last process to end, so a run ends cleanly */
+  :: atomic { TIMEOUTS && faults_left > 0 && HAS(waiting, 0) && !HAS(tmo_fire, 0) ->
+              faults_left--; tmo_fire = tmo_fire | 1 }
+  :: atomic { TIMEOUTS && faults_left > 0 && HAS(waiting, 1) && !HAS(tmo_fire, 1) ->
+              faults_left--; tmo_fire = tmo_fire | 2 }
+  od
+}
+
+init {
+  atomic {
+    run Engine();
+    run Builder();
+    run Committer();
+    run Clock()
+  }
+}
+
+/* ------------------------------------------------------------ liveness */
+
+#define HELD(x) (pg_step[x] != 0 || pg_task[x] != 0)
+#define ENDED(x) (t_st[x] == T_WRITTEN || t_st[x] == T_FAILED)
+#define STARTED(x) (t_st[x] != T_NONE)
+
+/* Every claimed page is eventually free again (its step consumed, its write
+ * landed or failed). */
+ltl pages_released {
+  [] (HELD(0) -> <> !HELD(0)) && [] (HELD(1) -> <> !HELD(1))
+}
+
+/* Every registered write eventually ends WRITTEN or FAILED. */
+ltl writes_end {
+  [] (STARTED(1) -> <> ENDED(1)) && [] (STARTED(2) -> <> ENDED(2)) &&
+  [] (STARTED(3) -> <> ENDED(3)) && [] (STARTED(4) -> <> ENDED(4)) &&
+  [] (STARTED(5) -> <> ENDED(5)) && [] (STARTED(6) -> <> ENDED(6)) &&
+  [] (STARTED(7) -> <> ENDED(7)) && [] (STARTED(8) -> <> ENDED(8)) &&
+  [] (STARTED(9) -> <> ENDED(9))
+}
