@@ -970,6 +970,20 @@ def test_the_map_names_exactly_the_actions_the_model_prints() -> None:
     assert mapped - printed == set(), f"map entries the model never prints: {mapped - printed}"
 
 
+def test_the_map_knows_every_outcome_the_model_prints() -> None:
+    """Each ``error=<kind>`` and read error reason the model prints is in the map."""
+    pml = MODEL.read_text()
+    kinds = set(re.findall(r'printf\("ACT [^"]*-> error=(\w+)', pml))
+    reasons = {
+        name.strip()
+        for names in re.findall(r"^mtype\s*=\s*\{([^}]*)\}", pml, re.MULTILINE)
+        for name in names.split(",")
+    }
+    assert kinds, "no error outcomes found in spec/omni_cache.pml"
+    known = set(MAP["outcomes"]) | set(MAP["reported"])
+    assert kinds | reasons <= known, f"outcomes missing from the map: {(kinds | reasons) - known}"
+
+
 def test_every_core_input_and_report_kind_is_fed_by_some_action() -> None:
     """Each input type in `dispatch()` and each report kind is fed by an action or excused."""
     fed = {name for entry in MAP["actions"].values() for name in entry["inputs"]}
