@@ -1,36 +1,38 @@
 /*
- * omni_cache.pml: the omni-cache write/read protocol as a SPIN model.
+ * omni_cache.pml: the omni-cache write and read protocol as a SPIN model.
  *
- * Normative behaviour: SPEC.md (rule ids such as STEP-1, PAGE-3, HIT-6 are
- * written STEP_1, PAGE_3, HIT_6 here, because Promela names cannot hold a
- * dash). Design choices modelled: spec/DESIGN.md (D1: one JOIN_NEXT_STEP write
- * per step; D2: one open JOIN_ON_FINISH write per request; D4: hit reads
- * planned at start and re-planned at save; D5: pages held by the step and by
- * the step's immediate write; D8: committer progress is reported through
- * completion records that every public entry drains).
+ * Normative behaviour: /work/shared/SPEC.md. Rule ids such as STEP-1 or
+ * HIT-6 are written STEP_1, HIT_6 here (Promela names cannot hold a dash).
+ * Design choices modelled, from spec/DESIGN.md: D1 one JOIN_NEXT_STEP
+ * (immediate) write per step; D2 one open JOIN_ON_FINISH (deferred) write
+ * per request; D4 hit reads planned at start and re-planned at save, with
+ * copy-on-write for pending reads; D5 pages held by the step and by the
+ * step's immediate write; D8 committer progress reported by completion
+ * records. spec/MODEL.md says what is abstracted and why the bounds suffice.
  *
- * Processes (the real threads):
- *   Engine    - composes each engine step (finish, start with hits, schedule),
- *               calls new_step_starts, then save_outputs: save barrier, budget
- *               flush, page claim (with a timeout), and the save itself.
+ * Processes, one per real thread:
+ *   Engine    - composes each engine step (finish and abort events, starts
+ *               with hits, scheduling), calls new_step_starts, then
+ *               save_outputs: save barrier, budget flush, page claim, save.
  *   Builder   - the async output builder: materialize or discard_step of any
- *               unconsumed step, in any order, possibly one step late.
- *   Committer - the committer thread: copy stage, host ready, pool write,
- *               publish completion, wake; it may fail at the copy or the
- *               pool write.
- * Each public entry runs under the state lock, so its locked part is one
- * atomic block; every wait happens outside the lock (CONC-1) and is a
- * separate statement.
+ *               unconsumed step, in any order, possibly a step late.
+ *   Committer - the committer thread: copy stage, HOST_READY, pool write,
+ *               publish the completion record, wake; it may fail.
+ *   Clock     - lets the deadline of a blocked wait pass (FAIL-3).
+ * The locked part of each public call is one atomic block (one state lock,
+ * CONC-1). Waits are blocking statements in those blocks: there the
+ * atomicity is given up until the wait ends, so other threads run exactly
+ * where the calling thread could be overtaken.
  *
- * Values: a row is named by the engine step that computed it (1..MAXSTEP);
- * 0 stands for zeros. So a read that returns 2 returned the rows computed by
- * step 2, and the oracle compares it with the engine's own ground truth.
+ * Values: a row is named by the engine step that computed it (1..MAXSTEP),
+ * 0 stands for zeros. A read that returns 2 returned the rows step 2
+ * computed; the oracle compares that with the engine's own ground truth.
  *
- * Safety: assert(RULE || condition), so pan's message names the rule.
- * Liveness: the ltl blocks at the end (run with -a -f -N name).
- * Known-bad variants: compile with spin -DBUG_<NAME>; see spec/MODEL.md.
- * Trace: every action prints one line "ACT <name> k=v ... [-> k=v ...]";
- * the vocabulary is documented in spec/MODEL.md ("Trace vocabulary").
+ * Safety: CHECK(RULE, condition) is assert(RULE || condition) with RULE a
+ * constant 0, so pan's message names the rule. Liveness: the ltl blocks at
+ * the end (pan -a -f -N name). Known-bad variants: spin -DBUG_<NAME>.
+ * Trace: every action prints one line "ACT <name> k=v ... [-> k=v ...]",
+ * documented in spec/MODEL.md under "Trace vocabulary".
  */
 
 /* ---------------------------------------------------------------- bounds */
@@ -127,6 +129,13 @@
 
 /* Read error names in the trace. */
 mtype = { hit4, hit6, failed };
+
+/* How a consume ended (the Builder's err). */
+#define W_OK 0
+#define W_FATAL 1
+#define W_DISCARD 2
+#define W_READ 3
+#define W_TIMEOUT 4
 
 /* Rule names for assertion messages; always 0. */
 hidden byte STEP_1, STEP_2, STEP_5, PAGE_2, PAGE_3, SLOT_2, SLOT_3, SLOT_4;
@@ -234,7 +243,7 @@ bool shut;
 bool comm_done;
 
 /* Temporaries, only used inside atomic sequences that cannot block. */
-hidden byte dt, ds, dk, co, ce, qi, uk, bk, bsum, pe, px, fb, fq, fn, cs1, sd0, sd1;
+hidden byte dt, ds, dk, co, ce, qi, uk, bk, bsum, pe, px, fb, fq, fn, cs1, sv0, sv1, sv2;
 
 /* ---------------------------------------------------------- helpers */
 
@@ -312,7 +321,13 @@ inline q_remove(tt) {
 inline escalate(tt) {
   d_step {
   if
+#ifndef BUG_LOST_ESCALATION
   :: tt != 0 && t_st[tt] == T_PENDING -> MOVE(tt, T_QUEUED); q_push_front(tt)
+#else
+  /* Liveness control: a lost wake-up; the write is marked QUEUED but never
+   * reaches a queue, so nobody ever runs it. */
+  :: tt != 0 && t_st[tt] == T_PENDING -> MOVE(tt, T_QUEUED)
+#endif
   :: tt != 0 && t_st[tt] == T_QUEUED && t_inq[tt] -> q_remove(tt); q_push_front(tt)
 #ifdef BUG_REQUEUE
   /* Origin double-write race: the committer popped the task but has not yet
@@ -385,14 +400,20 @@ inline fail_task(tt) {
   :: t_pin[tt] -> uncharge(tt)
   :: else -> skip
   fi;
+#ifndef BUG_FAILED_KEEPS_PAGE
   release_task_page(tt);
+#else
+  /* Liveness control: a failed write keeps its page forever. */
+  skip;
+#endif
   t_rec[tt] = 2;
   t_hr[tt] = 1; t_done[tt] = 1
   }
 }
 
-/* D8: every public entry drains the completion records under the lock.
- * SLOT-3: only slots the write still owns become COMMITTED. */
+/* D8: the core takes in the published completion records. SLOT-3: only
+ * the slots a completed write still owns become COMMITTED; a failure record
+ * makes the failure sticky (FAIL-1). */
 inline drain() {
   d_step {
   dt = 1;
@@ -422,11 +443,11 @@ inline drain() {
      dt++
   :: else -> break
   od;
-  /* Forget what nobody can look at any more: a drained, ended write that no
-   * pending read, open request, barrier or slot refers to. Only its state
-   * drained flag and wake events stay (waiters and the liveness claims read
-   * them). This
-   * keeps states that differ only in dead data from being told apart. */
+  /* Forget what nobody can look at any more: the data of a drained, ended
+   * write that no pending read, open request, barrier or slot refers to.
+   * Its state, drained flag and wake events stay (waiters, the final checks
+   * and the liveness claims read them). States that differ only in dead
+   * data are then one state. */
   dt = 1;
   do
   :: dt < MAXT ->
@@ -910,10 +931,6 @@ proctype Engine() {
              od;
              if
              :: bused + charge <= BUDGET || ft == MAXT ->
-                if
-                :: bused + charge > BUDGET -> REACH(12)   /* admitted with nothing to flush */
-                :: else -> skip
-                fi;
                 bused = bused + charge; bpend = charge; ft = 0;
                 printf("ACT budget step=%d charge=%d -> used=%d\n", K, charge, bused);
                 break
@@ -996,7 +1013,7 @@ proctype Engine() {
              t_pin[ft] = 1; tk_imm[K] = 1; s_jns[K] = ft;
              if :: c_mask[0] != 0 -> r_jns[0] = ft :: else -> skip fi;
              if :: c_mask[1] != 0 -> r_jns[1] = ft :: else -> skip fi;
-             sd0 = ft;
+             sv0 = ft;
              /* D2: the request's open deferred write, or a new one. */
              n = 0;
              do
@@ -1027,7 +1044,7 @@ proctype Engine() {
                    od;
                    t_mask[ft] = t_mask[ft] | c_mask[n];
                    t_views[ft] = t_views[ft] | BIT(K); t_pin[ft] = 1; tk_def[K]++;
-                   if :: n == 0 -> sd1 = ft :: else -> fb = ft fi
+                   if :: n == 0 -> sv1 = ft :: else -> sv2 = ft fi
                 :: c_mask[n] != 0 && !c_emit[n] ->
 #ifndef BUG_SPARSE_OLD
                    fn = 0;
@@ -1055,8 +1072,8 @@ proctype Engine() {
              :: else -> skip
              fi;
              /* d0/d1: the deferred write each request's rows went to (0: none). */
-             printf("ACT save step=%d page=%d tid=%d d0=%d d1=%d -> ok\n", K, p, sd0, sd1, fb);
-             sd0 = 0; sd1 = 0; fb = 0
+             printf("ACT save step=%d page=%d tid=%d d0=%d d1=%d -> ok\n", K, p, sv0, sv1, sv2);
+             sv0 = 0; sv1 = 0; sv2 = 0
           fi
        :: !idle && !serr && !(PFREE(0) || PFREE(1)) ->
           tmo_fire = tmo_fire & ~1;
@@ -1222,32 +1239,38 @@ inline check_read(e, K) {
 }
 
 /* End of a consume: release the step's page (PAGE-3), dispose its reads,
- * count it consumed exactly once (STEP-1); probe STEP-2 once. */
+ * count it consumed exactly once (STEP-1). Right after the first consume of
+ * step 1, a second consume of the same id is tried once (STEP-2). */
 inline end_consume(K, e, err) {
-       CHECK(STEP_1, s_st[K] == S_TAKEN);
-       s_st[K] = S_CONSUMED; nopen--;
-       if
-       :: pg_step[s_page[K]] == K -> pg_step[s_page[K]] = 0
-       :: else -> skip
-       fi;
-       dispose_reads(K);
-       if
-       :: err == 0 || err == 2 -> printf("ACT consumed step=%d -> ok\n", K)
-       :: else -> printf("ACT consumed step=%d -> error\n", K)
-       fi;
-       /* STEP-2: consuming the same id again raises and changes nothing
-        * (probed once, right after the first consume of step 1). */
-       if
-       :: K == 1 ->
-          e = nopen; err = pg_step[0] + pg_step[1] * 16;
-          ENTRY_DRAIN;
-          printf("ACT consume_again step=1 -> error=unmatch\n");
-          CHECK(STEP_2, s_st[1] == S_CONSUMED && nopen == e &&
-                        pg_step[0] + pg_step[1] * 16 == err)
-       :: else -> skip
-       fi;
+  CHECK(STEP_1, s_st[K] == S_TAKEN);
+  s_st[K] = S_CONSUMED; nopen--;
+  if
+  :: pg_step[s_page[K]] == K -> pg_step[s_page[K]] = 0
+  :: else -> skip
+  fi;
+  dispose_reads(K);
+  if
+  :: err == W_OK || err == W_DISCARD -> printf("ACT consumed step=%d -> ok\n", K)
+  :: err == W_FATAL -> printf("ACT consumed step=%d -> error=fatal\n", K)
+  :: err == W_READ -> printf("ACT consumed step=%d -> error=read\n", K)
+  :: err == W_TIMEOUT -> printf("ACT consumed step=%d -> error=timeout\n", K)
+  fi;
+  if
+  :: K == 1 ->
+     e = nopen; err = pg_step[0] + pg_step[1] * 16;
+     ENTRY_DRAIN;
+     printf("ACT consume_again step=1 -> error=unmatch\n");
+     CHECK(STEP_2, s_st[1] == S_CONSUMED && nopen == e &&
+                   pg_step[0] + pg_step[1] * 16 == err)
+  :: else -> skip
+  fi;
   K = 0; e = 0; err = 0
 }
+
+/* HIT-3: an in-transit immediate row is read from the pool once its write
+ * is WRITTEN; one bounded join covers all of them (FAIL-3). */
+#define AFTER_OK(x) (r_src[x] != R_AFTER || t_done[r_tid[x]])
+#define JOIN_OK (AFTER_OK(RE(K, 0, 0)) && AFTER_OK(RE(K, 0, 1)))
 
 proctype Builder() {
   byte K;
@@ -1256,6 +1279,8 @@ proctype Builder() {
 
   do
   :: atomic {
+       /* Begin: pop the step context of any unconsumed step (STEP-1: by id,
+        * not by age). */
        (s_st[1] == S_OPEN || s_st[2] == S_OPEN || s_st[3] == S_OPEN
 #if MAXSTEP > 3
         || s_st[4] == S_OPEN
@@ -1276,14 +1301,14 @@ proctype Builder() {
           /* FAIL-1: the call raises; the step still counts as consumed. */
           printf("ACT materialize step=%d -> error=fatal\n", K);
           REACH(18);
-          err = 1
+          err = W_FATAL
        :: else ->
           CHECK(FAIL_1, !g_fail_pub);
           /* discard_step drops only the read side; it is offered for steps
-           * with a hit, where that differs from a materialize. */
+           * with a hit, where it differs from a materialize. */
           if
           :: printf("ACT materialize step=%d -> ok\n", K)
-          :: s_hreq[K] != 0 -> printf("ACT discard step=%d -> ok\n", K); err = 2
+          :: s_hreq[K] != 0 -> printf("ACT discard step=%d -> ok\n", K); err = W_DISCARD
           fi
        fi;
 #ifdef BUG_PAGE_EARLY
@@ -1292,79 +1317,72 @@ proctype Builder() {
        pg_step[s_page[K]] = 0;
 #endif
        if
-       :: err != 0 -> end_consume(K, e, err)
+       :: err != W_OK -> end_consume(K, e, err)
        :: else -> skip
        fi
 #ifdef BUG_PAGE_EARLY
      };
-     /* The variant needs the window between the begin and the end of the
-      * materialize; in the protocol nobody can observe it (the held page
-      * protects the step's rows, and reads stay pending for copy-on-write
-      * until they are read), so the two run as one step unless the join
-      * below has to wait. */
      atomic {
 #else
+       /* Between the begin and the end of a materialize nobody can observe
+        * anything in this protocol (the held page protects the step's rows;
+        * the reads stay pending for copy-on-write until they are read), so
+        * both run as one step unless the join has to wait. The page variant
+        * needs that window and keeps it. */
        ;
 #endif
        if
        :: K == 0 -> skip
        :: else ->
-       /* HIT-3: an in-transit immediate row is read from the pool after its
-        * write is WRITTEN; one bounded join for all of them (FAIL-3). */
-#define AFTER_OK(x) (r_src[x] != R_AFTER || t_done[r_tid[x]])
-#define JOIN_OK (AFTER_OK(RE(K, 0, 0)) && AFTER_OK(RE(K, 0, 1)))
-       if
-       :: err != 0 -> skip
-       :: else -> wait_for(2, JOIN_OK)
-       fi;
-       if
-       :: err != 0 -> skip
-       :: err == 0 && JOIN_OK ->
-          tmo_fire = tmo_fire & ~2;
-          ENTRY_DRAIN;
-          CHECK(TASK_6, r_src[RE(K, 0, 0)] != R_AFTER || t_drained[r_tid[RE(K, 0, 0)]]);
-          CHECK(TASK_6, r_src[RE(K, 0, 1)] != R_AFTER || t_drained[r_tid[RE(K, 0, 1)]]);
+          wait_for(2, JOIN_OK);
           if
-          :: fatal -> printf("ACT join step=%d -> error=fatal\n", K); err = 1
-          :: else ->
-             /* Reads in a fixed order; the first error raises. */
-             e = RE(K, 0, 0);
-             do
-             :: e <= RE(K, 1, 1) ->
-                if
-                :: r_src[e] != R_NONE ->
-                   read_one(e, K);
-                   check_read(e, K);
+          :: JOIN_OK ->
+             tmo_fire = tmo_fire & ~2;
+             ENTRY_DRAIN;
+             /* TASK-6: a woken joiner finds the completion record. */
+             CHECK(TASK_6, r_src[RE(K, 0, 0)] != R_AFTER || t_drained[r_tid[RE(K, 0, 0)]]);
+             CHECK(TASK_6, r_src[RE(K, 0, 1)] != R_AFTER || t_drained[r_tid[RE(K, 0, 1)]]);
+             if
+             :: fatal -> printf("ACT join step=%d -> error=fatal\n", K); err = W_FATAL
+             :: else ->
+                /* The reads, in a fixed order; the first error raises. */
+                e = RE(K, 0, 0);
+                do
+                :: e <= RE(K, 1, 1) ->
                    if
-                   :: pe != E_OK -> err = 3; break
+                   :: r_src[e] != R_NONE ->
+                      read_one(e, K);
+                      check_read(e, K);
+                      if
+                      :: pe != E_OK -> err = W_READ; break
+                      :: else -> skip
+                      fi
                    :: else -> skip
-                   fi
+                   fi;
+                   e++
+                :: else -> break
+                od;
+                pe = 0; px = 0;
+                if
+                :: err == W_OK && s_hreq[K] != 0 &&
+                   (r_src[RE(K, 0, 0)] == R_THIS) != (r_src[RE(K, 0, 1)] == R_THIS) ->
+                   REACH(4)                          /* one hit, two sources */
                 :: else -> skip
                 fi;
-                e++
-             :: else -> break
-             od;
-             pe = 0; px = 0;
-             if
-             :: err == 0 && s_hreq[K] != 0 &&
-                (r_src[RE(K, 0, 0)] == R_THIS) != (r_src[RE(K, 0, 1)] == R_THIS) ->
-                REACH(4)                             /* one hit, two sources */
-             :: else -> skip
-             fi;
-             if
-             :: err == 0 ->
-                /* PAGE-3 / DEV-2: the step's own rows still sit in its page. */
-                printf("ACT own step=%d page=%d -> val=%d\n", K, s_page[K], pg_val[s_page[K]]);
-                CHECK(PAGE_3, pg_val[s_page[K]] == K)
-             :: else -> skip
+                if
+                :: err == W_OK ->
+                   /* PAGE-3, DEV-2: the step's own rows are still in its page. */
+                   printf("ACT own step=%d page=%d -> val=%d\n", K, s_page[K], pg_val[s_page[K]]);
+                   CHECK(PAGE_3, pg_val[s_page[K]] == K)
+                :: else -> skip
+                fi
              fi
-          fi
-       :: err == 0 && !JOIN_OK ->
-          tmo_fire = tmo_fire & ~2;
-          printf("ACT join step=%d -> error=timeout\n", K);
-          err = 1
-       fi;
-       end_consume(K, e, err)
+          :: else ->
+             tmo_fire = tmo_fire & ~2;
+             printf("ACT join step=%d -> error=timeout\n", K);
+             err = W_TIMEOUT
+          fi;
+          end_consume(K, e, err)
        fi
      }
   :: atomic {

@@ -54,7 +54,7 @@ CHECKS=(
 # Runs one check in its own directory and writes one result line.
 run_one() {
   local name="$1" kind="$2" defs="$3" claim="$4"
-  local dir="$work/$name" t0 t1 out verdict="FAIL" why="" states secs
+  local dir="$work/$name" t0 t1 out verdict="FAIL" why="" states cpu
   mkdir -p "$dir"
   cp "$model" "$dir/"
   t0=$(date +%s.%N)
@@ -71,15 +71,23 @@ run_one() {
     esac
     # shellcheck disable=SC2086
     gcc $flags -o pan pan.c >gcc.txt 2>&1 || { echo "gcc failed" >why.txt; exit 0; }
+    TIMEFORMAT='%U %S'
+    {
+    time {
     case "$kind" in
       safety|bad) ./pan -m100000 >pan.txt 2>&1 || true ;;
-      reach) ./pan -m100000 -c0 2>&1 | grep -v "REACHED==" >pan.txt || true
-             # The probe lines are many; keep one of each.
-             ./pan -m100000 -c0 2>&1 | grep -o "REACHED==[0-9]*" | sort -u >probes.txt || true ;;
+      # -c0: go on past each error. Every probe fires many times; keep one
+      # line per probe and the rest of pan's output.
+      reach) ./pan -m100000 -c0 2>&1 | awk '
+               /REACHED==/ { match($0, /REACHED==[0-9]+/); seen[substr($0, RSTART, RLENGTH)] = 1; next }
+               { print }
+               END { for (p in seen) print p > "probes.txt" }' >pan.txt || true ;;
       live) ./pan -m200000 -a -f -N "$claim" >pan.txt 2>&1 || true ;;
       # -A: assertions are not the point here; the claim must fail.
       badlive) ./pan -m200000 -a -f -A -N "$claim" >pan.txt 2>&1 || true ;;
     esac
+    }
+    } 2>cpu.txt
   )
   t1=$(date +%s.%N)
   out="$dir/pan.txt"
@@ -96,7 +104,7 @@ run_one() {
         else why="errors=${errors:-?} trail=${trail:+yes} incomplete=$incomplete"; fi ;;
       bad)
         if [[ "$errors" =~ ^[1-9] || -n "$trail" ]]; then verdict="PASS"
-          why="caught: $(grep -m1 -o 'assertion violated.*\|invalid end state.*' "$out" || echo error)"
+          why="caught: $(sed -n 's/.*assertion violated (\([A-Z][A-Z_0-9]*\)||.*/\1/p; s/.*\(invalid end state\).*/\1/p' "$out" | head -1)"
         else why="variant not caught (errors=${errors:-?})"; fi ;;
       badlive)
         if [[ ("$errors" =~ ^[1-9] || -n "$trail") ]] && grep -q "acceptance cycle" "$out"; then
@@ -114,9 +122,11 @@ run_one() {
     esac
   fi
   states="$(sed -n 's/^ *\([0-9.e+]*\) states, stored.*/\1/p' "$out" 2>/dev/null | head -1)"
-  secs="$(sed -n 's/^pan: elapsed time \([0-9.e+]*\) seconds.*/\1/p' "$out" 2>/dev/null | head -1)"
-  printf '%-4s %-24s states=%-10s search_s=%-7s wall_s=%-6.1f %s\n' \
-    "$verdict" "$name" "${states:-?}" "${secs:-?}" "$(echo "$t1 - $t0" | bc)" "$why" \
+  # cpu_s: user + system time of the search; wall_s: the whole check, with
+  # spin -a and the compile.
+  cpu="$(awk '{ printf "%.1f", $1 + $2 }' "$dir/cpu.txt" 2>/dev/null || true)"
+  printf '%-4s %-24s states=%-9s cpu_s=%-6s wall_s=%-6s %s\n' \
+    "$verdict" "$name" "${states:-?}" "${cpu:-?}" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" "$why" \
     >"$work/$name.result"
 }
 
