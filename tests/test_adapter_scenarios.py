@@ -464,7 +464,7 @@ def test_a_request_that_lost_its_hit_cannot_be_saved(make: Make) -> None:
     engine.begin({"a": 1, "b": 1})
     with pytest.raises(BadInputError, match="lost their hit"):
         engine.save()
-    assert manager.stats().pages_in_use == 0
+    assert settle(manager).pages_in_use == 0
     engine.finish("b", abort=True)
     engine.begin({"a": 1})
     engine.materialize(engine.save())
