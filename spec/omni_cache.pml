@@ -31,7 +31,7 @@
  * Safety: CHECK(RULE, condition) is assert(RULE || condition) with RULE a
  * constant 0, so pan's message names the rule. Liveness: the ltl blocks at
  * the end (pan -a -f -N name). Known-bad variants: spin -DBUG_<NAME>.
- * Trace: every action prints one line "ACT <name> k=v ... [-> k=v ...]",
+ * Trace: every action prints one line "ACT <name> k=v ... [-> outcome]",
  * documented in spec/MODEL.md under "Trace vocabulary".
  */
 
@@ -43,6 +43,9 @@
  * unconsumed steps plus a third save waiting for a page. */
 #ifndef MAXSTEP
 #define MAXSTEP 3
+#endif
+#if MAXSTEP > 4
+#error "MAXSTEP above 4: task ids would reach the owner codes and the escalation mask"
 #endif
 #define NREQ 2          /* two request ids; an id may be re-admitted (HIT-2) */
 #define NBLK 2          /* two KV blocks ... */
@@ -161,7 +164,7 @@ byte gt1[NSLOT];
 /* Engine block tables. */
 bool e_live[NREQ];
 bool e_emit[NREQ];                /* the request emits the sparse mm key */
-byte e_pos[NREQ];                 /* tokens computed (positions 0..3) */
+byte e_pos[NREQ];                 /* tokens computed so far (0..4) */
 byte e_blk[NREQ * 2];             /* block id + 1 per table index, 0 none */
 byte b_fill[NBLK];                /* slots computed by the current tenant */
 bool b_cached[NBLK];              /* hash published: hits may use it */
@@ -1554,7 +1557,8 @@ ltl pages_released {
   [] (HELD(0) -> <> !HELD(0)) && [] (HELD(1) -> <> !HELD(1))
 }
 
-/* Every registered write eventually ends WRITTEN or FAILED. */
+/* Every registered write eventually ends WRITTEN or FAILED (task ids 1..9,
+ * all there are with MAXSTEP 3). */
 ltl writes_end {
   [] (STARTED(1) -> <> ENDED(1)) && [] (STARTED(2) -> <> ENDED(2)) &&
   [] (STARTED(3) -> <> ENDED(3)) && [] (STARTED(4) -> <> ENDED(4)) &&
