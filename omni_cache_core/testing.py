@@ -887,8 +887,9 @@ class ReferenceModel:
         # PAGE-2: every open step holds a page; nobody consumes while an inline save waits.
         full = len(self.open_step_ids()) >= self.config.staging_depth and not relief
         last: Outcome = PageTimeoutError if full else None
-        if stall:
-            # TASK-3, BUDGET-2: with the committer stalled, a wait may run out first.
+        if stall or self.config.staging_claim_timeout_s == 0:
+            # TASK-3, BUDGET-2: with the committer stalled, or a zero bound that never waits
+            # (PAGE-4), a wait on unfinished writes may run out first.
             return frozenset({WaitTimeoutError, last})
         return frozenset({last})
 
@@ -994,6 +995,7 @@ class CacheMachine(RuleBasedStateMachine):
         #: Per live request: how many of its own slots it has computed.
         self.position: dict[ReqId, int] = {}
         self.allow_failures = False
+        self.late_reads = False
 
     # -----------------------------------------------------------------------------------------
     # Helpers.
@@ -1029,6 +1031,17 @@ class CacheMachine(RuleBasedStateMachine):
     def _unchanged(self, before: Any, what: str) -> None:
         if self.sut.snapshot() != before:
             raise ModelMismatch(f"{what} raised but changed the cache's state")
+
+    def _may_consume(self) -> bool:
+        """Whether a step may be consumed now: reads are often late (HIT-6).
+
+        A lone open step is consumed on every other rule only; with late reads, a step is
+        consumed only once every page is taken (an output builder that lags behind).
+        """
+        open_count = len(self.model.open_step_ids())
+        if open_count >= self.model.config.staging_depth:
+            return True
+        return not self.late_reads and (self.rules_run % 2 == 0 or open_count >= 2)
 
     def _slots_of(self, req_id: ReqId) -> list[int]:
         """Slots a request computes, in order: its blocks past the hit (the last if all hit)."""
@@ -1169,21 +1182,33 @@ class CacheMachine(RuleBasedStateMachine):
         budget=st.sampled_from([64, 6, 3]),
         prefetch=st.booleans(),
         failures=st.sampled_from([False, False, False, True]),
+        timeout_s=st.sampled_from([1.0, 1.0, 1.0, 0.0]),
+        late_reads=st.booleans(),
     )
-    def setup(self, hidden: bool, depth: int, budget: int, prefetch: bool, failures: bool) -> None:
-        """Build the cache: policy, depth, budget and prefetch vary per run."""
+    def setup(
+        self,
+        hidden: bool,
+        depth: int,
+        budget: int,
+        prefetch: bool,
+        failures: bool,
+        timeout_s: float,
+        late_reads: bool,
+    ) -> None:
+        """Build the cache: policy, depth, budget, prefetch and the wait bound vary per run."""
         config = PrefixCacheConfig(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             staging_depth=depth,
             staging_capacity_tokens=5,
             gpu_staging_bytes=budget,
-            staging_claim_timeout_s=1.0,
+            staging_claim_timeout_s=timeout_s,
         )
         policy = ModelCachePolicy(needs_full_hidden_states=hidden, deferred_keys={DEFERRED_KEY})
         self.driver = type(self).driver_factory(config, policy, prefetch)
         self.model = ReferenceModel(config, policy)
         self.allow_failures = failures
+        self.late_reads = late_reads
 
     @invariant()
     def agrees_with_model(self) -> None:
@@ -1213,9 +1238,16 @@ class CacheMachine(RuleBasedStateMachine):
         """The engine's next call: a step start, or the save that follows it.
 
         One rule for both, so that swarm testing (which turns rules off per run) never leaves
-        the engine half on. The committer does some work in the background first.
+        the engine half on. The committer does some work in the background first, and the
+        output builder may catch up with an open step (a consume outside the `steps` bundle:
+        the bundle may then offer that id again, which must raise StepAlreadyConsumedError).
         """
         self._background(data)
+        open_ids = self.model.open_step_ids()
+        if open_ids and self._may_consume() and data.draw(st.sampled_from([False, False, True])):
+            step_id = data.draw(st.sampled_from(open_ids))
+            how = data.draw(st.sampled_from(["materialize", "materialize", "discard"]))
+            self._consume(step_id, how, data)
         if self.phase == "start":
             self._start_step(data)
             return multiple()
@@ -1271,6 +1303,8 @@ class CacheMachine(RuleBasedStateMachine):
             self._usable()
             and self.phase == "save"
             and len(self.model.open_step_ids()) >= self.model.config.staging_depth
+            # A zero bound fails at once instead of waiting for the page (PAGE-4).
+            and self.model.config.staging_claim_timeout_s > 0
         )
     )
     @rule(
@@ -1281,6 +1315,10 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def save_while_a_step_is_consumed(self, relief: StepId, how: str, data: st.DataObject) -> Any:
         """A save waiting for a page gets the one a concurrent consume frees (PAGE-4, CONC-3)."""
+        open_ids = self.model.open_step_ids()
+        if relief not in open_ids:
+            # The engine rule's catch-up consumed it already; relieve with an open step.
+            relief = data.draw(st.sampled_from(open_ids))
         spec = self._draw_spec(data, max_rows=1)
         called: list[bool] = []
 
@@ -1293,8 +1331,7 @@ class CacheMachine(RuleBasedStateMachine):
             self._consume(relief, how, data)
         return result
 
-    # A lone open step is consumed on every other step only, so reads are often late (HIT-6).
-    @precondition(lambda self: self.rules_run % 2 == 0 or len(self.model.open_step_ids()) >= 2)
+    @precondition(lambda self: self._may_consume())
     @rule(
         step=consumes(steps),
         how=st.sampled_from(["materialize", "materialize", "materialize", "discard"]),
