@@ -319,7 +319,7 @@ class _Step:
 
 
 class _PendingSave:
-    __slots__ = ("charged", "deadline_ns", "inp", "page", "phase")
+    __slots__ = ("charged", "deadline_ns", "flushing", "inp", "page", "phase")
 
     def __init__(self, inp: SaveBegin) -> None:
         self.inp = inp
@@ -327,6 +327,8 @@ class _PendingSave:
         self.deadline_ns: int | None = None
         self.charged = 0
         self.page: int | None = None
+        #: The write the budget flush escalated and now waits for until it is WRITTEN.
+        self.flushing: Tid | None = None
 
 
 class CacheCore:
@@ -647,14 +649,14 @@ class CacheCore:
         """
         self._check_usable()
         save = self._require_save()
-        entry = (save.phase, save.deadline_ns, save.charged)
+        entry = (save.phase, save.deadline_ns, save.charged, save.flushing)
         try:
             return self._advance_save(save, inp.now_ns)
         except (WaitTimeoutError, PageTimeoutError):
             # FAIL-3, STEP-5: a wait that ran out changes nothing, not even a phase passed or a
             # deadline set on the way in this same input (a zero bound fails at first sight).
             self._budget_used -= save.charged - entry[2]
-            save.phase, save.deadline_ns, save.charged = entry
+            save.phase, save.deadline_ns, save.charged, save.flushing = entry
             raise
 
     def _advance_save(
@@ -667,14 +669,21 @@ class CacheCore:
                 return self._await(save, now, waits, "save barrier")
             save.phase, save.deadline_ns = _BUDGET, None
         if save.phase == _BUDGET:
+            flushing = save.flushing
+            if flushing is not None and flushing in self._tasks:
+                # BUDGET-2: a flushed write is awaited until WRITTEN ("copy and write"), even if
+                # its copy alone released enough budget; the budget is checked again after.
+                return self._await(save, now, ((flushing, TaskState.WRITTEN),), "budget flush")
             need = save.inp.immediate_bytes + save.inp.deferred_bytes
             victim = self._flush_victim() if self._budget_used + need > self._budget_cap() else None
             if victim is not None:
+                save.flushing = victim.tid
                 if not victim.escalated:
                     self.counters.budget_flushes += 1
                     self._escalate_task(victim)
                     return EscalateTasks(tids=(victim.tid,))
                 return self._await(save, now, ((victim.tid, TaskState.WRITTEN),), "budget flush")
+            save.flushing = None
             # BUDGET-2: fits, or nothing left to flush: admitted (an oversized step must not hang).
             save.charged = need
             self._budget_used += need
@@ -998,6 +1007,7 @@ class CacheCore:
                 save.deadline_ns,
                 save.charged,
                 save.page,
+                save.flushing,
                 save.inp.req_ids,
                 tuple(save.inp.row_bounds.tolist()),
                 tuple(save.inp.slots.tolist()),
@@ -1216,9 +1226,15 @@ class CacheCore:
         return AwaitTasks(waits=waits, deadline_ns=save.deadline_ns, what=what)
 
     def _flush_victim(self) -> _Task | None:
-        """The oldest task still holding a clone charge (BUDGET-2), or None."""
-        viewers = {tid for ticket in self._tickets.values() for tid in ticket.viewers}
-        return self._tasks[min(viewers)] if viewers else None
+        """The oldest unfinished write (BUDGET-2), or None.
+
+        SPEC has the flush force that write to "copy and write", so a write that has copied
+        (HOST_READY, its charge already gone) is still the victim and is awaited until WRITTEN;
+        the loop then moves to the next oldest, until the save fits or nothing is left.
+        """
+        # Terminal tasks retire at once, and tasks are kept in tid (insertion) order: the first
+        # one kept is the oldest unfinished write.
+        return next(iter(self._tasks.values()), None)
 
     def _escalate_task(self, task: _Task) -> None:
         if task.state is TaskState.PENDING:

@@ -684,7 +684,14 @@ inline choose_new_tokens(K, r, n) {
   :: n > 0 ->
      cs1 = e_pos[r];
      schedule(K, r, n);
-     c_emit[r] = e_emit[r];
+     /* The save names its emitted keys per step (spec/DESIGN.md D11): a
+      * request scheduled after another in the same step follows that
+      * request's emission; SLOT-4 still applies to every request of a step
+      * that does not emit the key, after a tenant that did. */
+     if
+     :: c_mask[1 - r] != 0 -> c_emit[r] = c_emit[1 - r]
+     :: else -> c_emit[r] = e_emit[r]
+     fi;
      printf("ACT sched step=%d req=%d pos=%d n=%d blk0=%d blk1=%d key1=%d\n", K, r, cs1, n,
             e_blk[r * 2] - 1, e_blk[r * 2 + 1] - 1, c_emit[r]);
      cs1 = 0

@@ -741,9 +741,11 @@ def test_task_2_escalation_never_requeues_a_copying_write(make_core: MakeCore) -
     assert again.waits == ((victim, TaskState.WRITTEN),)
     assert core.task_state(victim) is TaskState.COPYING
     core.report(CopyLanded(tid=victim))
+    # BUDGET-2: copied is not enough, the flushed write is awaited until it is written.
+    assert _proceed(core) == again
+    core.report(WriteLanded(tid=victim))
     assert isinstance(_proceed(core), PageClaimed)
     core.save_commit(SaveCommit(now_ns=0))
-    land(core, victim)
 
 
 def test_task_3_the_next_save_waits_until_the_step_write_is_written(make_core: MakeCore) -> None:
@@ -963,6 +965,34 @@ def test_budget_2_a_save_over_budget_flushes_the_oldest_write_first(make_core: M
     assert core.task_state(tb) is TaskState.PENDING, "only as much as needed is flushed"
     (chunk,) = effects_of(save(core, [("a", blocks(3))], deferred=(DEF,)).effects, DeferredChunk)
     assert chunk.new_task and chunk.tid != ta, "the flushed write was closed"
+
+
+def test_budget_2_a_copied_write_is_still_flushed_first_and_awaited_until_written(
+    make_core: MakeCore,
+) -> None:
+    """The oldest unfinished write is the victim even once it copied; then the next (BUDGET-2)."""
+    core = make_core(deferred_policy())
+    start(core, started("a"), started("b"), started("c"))
+    ta = _deferred_tid(
+        save(core, [("a", blocks(0))], deferred=(DEF,), deferred_bytes=600).effects, "a"
+    )
+    tb = _deferred_tid(
+        save(core, [("b", blocks(1))], deferred=(DEF,), deferred_bytes=300).effects, "b"
+    )
+    assert start(core, finished("a")) == (EscalateTasks(tids=(ta,)),)
+    core.report(CopyStarted(tid=ta))
+    core.report(CopyLanded(tid=ta))
+    assert core.budget_used == 300, "a copied write holds no charge"
+    core.save_begin(save_input([("c", blocks(2))], deferred=(DEF,), deferred_bytes=800))
+    # ta frees nothing by itself, but it is the oldest unfinished write: "copy and write".
+    assert _proceed(core) == AwaitTasks(
+        waits=((ta, TaskState.WRITTEN),), deadline_ns=TIMEOUT_NS, what="budget flush"
+    )
+    core.report(WriteLanded(tid=ta))
+    assert _proceed(core) == EscalateTasks(tids=(tb,)), "still over: the next oldest"
+    land(core, tb)
+    assert isinstance(_proceed(core), PageClaimed)
+    assert core.budget_used == 800
 
 
 def test_budget_2_with_nothing_left_to_flush_a_save_is_admitted(make_core: MakeCore) -> None:

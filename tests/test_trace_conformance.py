@@ -458,7 +458,8 @@ class Replay:
         """new_step_starts: finishes first, then starts (HIT-2)."""
         emits = {emit for _, emit in self.sched.values()}
         if len(emits) > 1:
-            return "mixed_key1"
+            # D11: a step emits a key for all its rows or none; the model must agree.
+            raise Disagreement(f"requests of one step disagree on emitting key 1: {self.sched}")
         events = [
             PrefixCacheRequestEvent(req_id=r, kind=PrefixCacheEventKind.FINISHED)
             for r in self.finishes
@@ -546,37 +547,38 @@ class Replay:
         elif barrier:
             raise Disagreement(f"model: the barrier passed; core waits: {effect!r}")
 
-    def on_flush(self, act: Act) -> str | None:
-        """The budget flush escalates the oldest write holding a charge (BUDGET-2)."""
-        if self.core.task_state(Tid(act.num("tid"))) is TaskState.HOST_READY:
-            return "flush_victim"
+    def on_flush(self, act: Act) -> None:
+        """The budget flush escalates the oldest unfinished write (BUDGET-2).
+
+        A write that a finish or abort escalated already is not escalated twice by the core
+        (the model's escalation of it is a no-op): the core goes straight to waiting for it.
+        """
+        tid = Tid(act.num("tid"))
         effect = self.save_effect
         if not isinstance(effect, EscalateTasks):
             effect = self.proceed()
-        if not isinstance(effect, EscalateTasks) or effect.tids != (act.num("tid"),):
-            raise Disagreement(f"model flushes write {act.num('tid')}; core: {effect!r}")
+        escalated = isinstance(effect, EscalateTasks) and effect.tids == (tid,)
+        awaited = isinstance(effect, AwaitTasks) and effect.waits == ((tid, TaskState.WRITTEN),)
+        if not (escalated or awaited):
+            raise Disagreement(f"model flushes write {tid}; core: {effect!r}")
         self.save_effect = None
-        return None
 
-    def on_flush_done(self, act: Act) -> str | None:
+    def on_flush_done(self, act: Act) -> None:
         """The flushed write ended (WRITTEN), failed, or its wait ran out."""
         tid = Tid(act.num("tid"))
         if act.error == "failed":
             self.fail_save("failed", self.proceed)
-            return None
+            return
         if act.error == "timeout":
-            if self.core.task_state(tid) is TaskState.HOST_READY:
-                return "flush_victim"
             effect = self.proceed()
             if not (isinstance(effect, AwaitTasks) and effect.waits == ((tid, TaskState.WRITTEN),)):
                 raise Disagreement(f"model: the flush of {tid} runs out; core: {effect!r}")
             self.time_out(effect, "timeout")
-            return None
+            return
         state = self.core.task_state(tid)
         if state is not None:
             raise Disagreement(f"model: flushed write {tid} is written; core: {state.name}")
         self.save_effect = None
-        return None
 
     def on_budget(self, act: Act) -> None:
         """The save is admitted with its charge; the budget in use agrees (BUDGET-1)."""
