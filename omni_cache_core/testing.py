@@ -962,6 +962,17 @@ def _diff(got: Rows, want: Rows) -> str:
 class CacheMachine(RuleBasedStateMachine):
     """Drive a cache through a driver and the reference model side by side.
 
+    Each run draws a policy (hidden cached or not), 2 or 3 pages, a budget (roomy, or small
+    enough that saves flush deferred writes), prefetch on or off, a wait bound of 1 s or 0,
+    whether committer failures may happen, and whether reads are late. The KV cache has 4
+    blocks of 2 slots; up to 4 request ids start, finish, abort and start again.
+
+    Rules: `engine` (a step start or the save after it, with background committer work and
+    sometimes a catch-up consume), `save_while_a_step_is_consumed`, `consume`, `misuse` (every
+    error path), `committer` (one stage, all of it, a failure, or time passing) and a late
+    `shut_down`. Every outcome is checked against `ReferenceModel`; the invariant checks the
+    core's invariants, the driver's page ownership and the open step ids.
+
     Subclasses set `driver_factory` to run the same rules against another driver.
     """
 
@@ -1042,6 +1053,11 @@ class CacheMachine(RuleBasedStateMachine):
         if open_count >= self.model.config.staging_depth:
             return True
         return not self.late_reads and (self.rules_run % 2 == 0 or open_count >= 2)
+
+    def _hit_blocks(self, req_id: ReqId) -> tuple[int, ...]:
+        """The blocks a live request's start hit."""
+        blocks, hit_blocks = self.blocks.get(req_id, ((), 0))
+        return blocks[:hit_blocks]
 
     def _slots_of(self, req_id: ReqId) -> list[int]:
         """Slots a request computes, in order: its blocks past the hit (the last if all hit)."""
@@ -1145,7 +1161,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.phase = "start"
         return result
 
+    def _catch_up(self) -> None:
+        """The committer lands every write in flight."""
+        while self.sut.in_flight():
+            self.sut.land(self.sut.in_flight()[0])
+
     def _consume(self, step_id: StepId, how: str, data: st.DataObject) -> None:
+        if data.draw(st.sampled_from([False, False, True])):
+            # The output builder lags behind the committer: a later save's write has reached
+            # the pool rows this step's hit planned on (HIT-6 shows only then).
+            self._catch_up()
         req_ids: list[ReqId] | None = None
         if how == "materialize":
             layout = list(self.model.saved(step_id).spec.req_ids)
@@ -1256,6 +1281,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _start_step(self, data: st.DataObject) -> None:
         """Finish or abort some requests, start others, with or without hits (HIT-1, HIT-2)."""
+        if data.draw(st.sampled_from([False, False, False, True])):
+            # The committer caught up before this step: hits then read committed pool rows,
+            # which a later save must preserve for a late read (HIT-6).
+            self._catch_up()
         live = sorted(self.model.live)
         events: list[PrefixCacheRequestEvent] = []
         if live:
@@ -1264,19 +1293,27 @@ class CacheMachine(RuleBasedStateMachine):
                     st.sampled_from([PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED])
                 )
                 events.append(PrefixCacheRequestEvent(req_id=req_id, kind=kind))
+        # The blocks an ending request hit come free now, while the read of its hit may still be
+        # pending (late reads): a new tenant recomputing them is the HIT-6 case, made likely.
+        freed = sorted(
+            {b for e in events for b in self._hit_blocks(ReqId(e.req_id)) if e.req_id in live}
+        )
         blocks_of: dict[ReqId, tuple[tuple[int, ...], int]] = {}
         for req_id in data.draw(st.lists(st.sampled_from(REQS), unique=True, max_size=2)):
             # Hit blocks come mostly from blocks some save wrote (so hits read the pool and
             # later saves may reuse them under a delayed read: HIT-6), else from any block.
             written = sorted({s // self.block_size for s in self.written_slots})
-            first = data.draw(st.sampled_from(written * 3 + list(range(self.num_blocks))))
+            first = data.draw(
+                st.sampled_from(freed * 6 + written * 3 + list(range(self.num_blocks)))
+            )
             rest = data.draw(st.lists(st.integers(0, self.num_blocks - 1), min_size=1, max_size=2))
             blocks = tuple(dict.fromkeys([first, *rest]))
             if len(blocks) == 1:
                 blocks = (first, (first + 1) % self.num_blocks)
             # Mostly a one-block hit followed by blocks to compute; sometimes no hit, or a hit
             # over every block (the request then recomputes in its last block).
-            hit_blocks = data.draw(st.sampled_from([1, 1, 1, 0, len(blocks)]))
+            recompute = [0, 0, 0, 1] if first in freed else [1, 1, 1, 0, len(blocks)]
+            hit_blocks = data.draw(st.sampled_from(recompute))
             blocks_of[req_id] = (blocks, hit_blocks)
             events.append(
                 PrefixCacheRequestEvent(
@@ -1464,8 +1501,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.sut.fail(data.draw(st.sampled_from(tids)))
             self.model.failed = True
         elif how == "everything":
-            while self.sut.in_flight():
-                self.sut.land(self.sut.in_flight()[0])
+            self._catch_up()
         else:
             self.sut.land(data.draw(st.sampled_from(tids)))
 
