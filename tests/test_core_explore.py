@@ -3,7 +3,9 @@
 Bounds: 2 pages, 2 requests ("a" computes block 0; "b" block 1 and may start with a hit on
 block 0), 2 blocks of 2 slots, at most 2 request starts, 3 saves and 8 inputs on any path, a
 clock of three values (0, 1, 2) against a 1 ns timeout, hidden states (immediate) and one
-deferred key, and a budget of 3 bytes (1 byte per row and key, so most saves need a flush).
+deferred key, and a budget of 4 bytes (1 byte per row and key: a save of both requests, or one
+after a deferred write, needs a flush; a smaller budget flushes every older write to the pool
+before each save, and no save could then take a slot from a write still in flight).
 
 From every state the explorer applies every enabled input to a copy of the core: request
 starts and finishes, saves (begun, then driven until they wait or commit), materialize and
@@ -77,7 +79,7 @@ CONFIG = PrefixCacheConfig(
     block_size=2,
     staging_depth=2,
     staging_capacity_tokens=4,
-    gpu_staging_bytes=3,
+    gpu_staging_bytes=4,
     staging_claim_timeout_s=1e-9,  # 1 ns: the clock's three values cover every deadline
 )
 POLICY = ModelCachePolicy(deferred_keys={DEFERRED})
