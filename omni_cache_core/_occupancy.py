@@ -62,16 +62,17 @@ class OccupancyTable:
             losers = np.concatenate([previous[displaced], new_owner[beaten]])
             lost_slots = np.concatenate([slots[displaced], slots[beaten]])
         else:
-            displaced = (previous > 0) & (previous != new_owner)
+            self.owner[slots] = new_owner
+            self.version[slots] += _VERSION_DTYPE(1)
+            in_flight = previous > 0
+            if not in_flight.any():  # the usual claim: nothing was in flight there
+                return []
+            displaced = in_flight & (previous != new_owner)
             losers = previous[displaced]
             lost_slots = slots[displaced]
-            self.owner[slots] = new_owner
-        lost: list[tuple[int, SlotArray]] = []
-        if len(losers):
-            for tid in np.unique(losers).tolist():
-                lost.append((int(tid), np.unique(lost_slots[losers == tid])))
+            return _by_loser(losers, lost_slots)
         self.version[slots] += _VERSION_DTYPE(1)
-        return lost
+        return _by_loser(losers, lost_slots)
 
     def commit(self, tid: int, slots: SlotArray) -> None:
         """Mark the slots `tid` still owns COMMITTED (SLOT-3); versions are unchanged."""
@@ -83,3 +84,10 @@ class OccupancyTable:
         still_owned = slots[self.owner[slots] == tid]
         self.owner[still_owned] = ABSENT
         self.version[still_owned] += _VERSION_DTYPE(1)
+
+
+def _by_loser(losers: npt.NDArray[np.int32], lost_slots: SlotArray) -> list[tuple[int, SlotArray]]:
+    """Group lost slots by the write that lost them, in tid order."""
+    if not len(losers):
+        return []
+    return [(int(tid), np.unique(lost_slots[losers == tid])) for tid in np.unique(losers).tolist()]
