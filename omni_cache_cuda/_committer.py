@@ -313,10 +313,7 @@ class Committer:
                     continue
                 src = parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts])
                 host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-                row_bytes = max(1, src[0].numel() * src.element_size()) if len(src) else 1
-                step = max(1, self.copy_chunk_bytes // row_bytes)
-                for start in range(0, len(src), step):
-                    host[start : start + step].copy_(src[start : start + step], non_blocking=True)
+                copy_in_pieces(host, src, self.copy_chunk_bytes, non_blocking=True)
                 offset = 0
                 for i, part in parts:
                     hosts[i][key] = host[offset : offset + len(part)]
@@ -369,6 +366,26 @@ def row_bytes(rows: torch.Tensor) -> np.ndarray:
     """A contiguous host tensor's rows as a ``(rows, row_bytes)`` uint8 numpy view (no copy)."""
     flat = rows.reshape(len(rows), -1)
     return flat.view(torch.uint8).numpy()
+
+
+def copy_in_pieces(
+    dst: torch.Tensor, src: torch.Tensor, max_bytes: int, *, non_blocking: bool = False
+) -> list[tuple[int, int]]:
+    """Copy ``src`` into ``dst`` row range by row range, each at most ``max_bytes`` (BUDGET-3).
+
+    A row wider than ``max_bytes`` goes alone. Returns the ``(start, stop)`` row ranges copied,
+    in order; they tile ``[0, len(src))``.
+    """
+    if len(src) == 0:
+        return []
+    row_nbytes = max(1, src[0].numel() * src.element_size())
+    rows_per_piece = max(1, max_bytes // row_nbytes)
+    pieces = []
+    for start in range(0, len(src), rows_per_piece):
+        stop = min(start + rows_per_piece, len(src))
+        dst[start:stop].copy_(src[start:stop], non_blocking=non_blocking)
+        pieces.append((start, stop))
+    return pieces
 
 
 def _last_rows(slots: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -165,3 +165,69 @@ def test_racing_consumers_consume_once() -> None:
         stats = settle(manager)
         assert stats.steps_consumed + stats.steps_discarded == 100
         assert stats.pages_in_use == 0
+
+
+class _RecordingLock:
+    """A lock that records the name of every thread that takes it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.takers: Counter[str] = Counter()
+
+    def __enter__(self) -> bool:
+        self._lock.acquire()
+        self.takers[threading.current_thread().name] += 1
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+@pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "inline"])
+def test_committer_never_takes_the_state_lock_and_the_pool_has_one_writer(
+    threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CONC-2: only caller threads take the state lock. CONC-4: every pool write runs on one
+    thread, the committer's (threaded) or the engine's (inline), escalations and flushes too."""
+    manager = make_manager(
+        threaded,
+        num_blocks=24,
+        staging_depth=MAX_LAG + 3,
+        staging_capacity_tokens=32,
+        staging_claim_timeout_s=30.0,
+        gpu_staging_bytes=40 * 32,  # budget flushes (BUDGET-2) escalate writes from the engine
+    )
+    lock = _RecordingLock()
+    monkeypatch.setattr(manager, "_lock", lock)
+    writers: Counter[str] = Counter()
+    committer = manager._committer
+    write_pool = committer._write_pool
+
+    def recorded_write_pool(job: WriteJob) -> None:
+        writers[threading.current_thread().name] += 1
+        write_pool(job)
+
+    monkeypatch.setattr(committer, "_write_pool", recorded_write_pool)
+    engine_thread = threading.current_thread().name
+    with manager:
+        # No builder thread: the engine thread consumes, so the lock's takers are the engine,
+        # the prefetch worker and (if it broke CONC-2) the committer.
+        workload = Workload(Engine(manager), seed=7 + threaded, max_lag=MAX_LAG, builder=False)
+        for _ in range(300):
+            workload.step()
+            if workload.errors:
+                break
+        workload.close()
+        assert not workload.errors, workload.errors[:5]
+        stats = settle(manager)
+    assert stats.budget_flushes > 0 and workload.counts.finishes > 0, (stats, workload.counts)
+    assert sum(writers.values()) > 300, writers
+    if threaded:
+        assert committer._thread is not None
+        committer_thread = committer._thread.name
+        assert committer_thread != engine_thread
+        assert set(writers) == {committer_thread}, writers  # CONC-4
+        assert committer_thread not in lock.takers, lock.takers  # CONC-2
+    else:
+        assert set(writers) == {engine_thread}, writers  # CONC-4: the caller writes inline
+    assert lock.takers[engine_thread] > 0, lock.takers

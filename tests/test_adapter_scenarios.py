@@ -34,6 +34,7 @@ from omni_cache_cuda import (
     UnknownStepError,
     WriteFailedError,
 )
+from omni_cache_cuda._committer import copy_in_pieces
 from tests.adapter_helpers import (
     BLOCK,
     DEF,
@@ -919,3 +920,24 @@ def test_oracle_detects_a_stale_row(make: Make) -> None:
     saved = engine.step({"b": 1})
     with pytest.raises(AssertionError, match="hidden of b"):
         engine.materialize(saved)
+
+
+@pytest.mark.parametrize(
+    ("rows", "width", "max_bytes"),
+    [(10, 4, 24), (7, 8, 16), (3, 64, 8), (5, 4, 10**6), (0, 4, 16)],
+    ids=["3-rows-a-piece", "1-row-a-piece", "row-wider-than-limit", "one-piece", "empty"],
+)
+def test_budget_3_deferred_rows_are_copied_in_pieces_of_at_most_copy_chunk_bytes(
+    rows: int, width: int, max_bytes: int
+) -> None:
+    """BUDGET-3: the deferred copy goes in row ranges of at most `copy_chunk_bytes`, as few as
+    that allows, tiling the rows; a row wider than the limit goes alone. (The CUDA path uses
+    this helper; the GPU suite checks it end to end with a small `copy_chunk_bytes`.)"""
+    src = torch.arange(rows * width, dtype=torch.int16).reshape(rows, width)
+    dst = torch.zeros_like(src)
+    pieces = copy_in_pieces(dst, src, max_bytes)
+    assert torch.equal(dst, src)
+    row_nbytes = width * 2
+    per_piece = max(1, max_bytes // row_nbytes)
+    assert pieces == [(a, min(a + per_piece, rows)) for a in range(0, rows, per_piece)]
+    assert all((b - a) * row_nbytes <= max_bytes or b - a == 1 for a, b in pieces)

@@ -34,6 +34,7 @@ from omni_cache_cuda import (
     StageCacheOutputs,
     StepId,
 )
+from omni_cache_cuda import _committer as committer_module
 from omni_cache_cuda._storage import registered_pinned_bytes
 
 BLOCK_SIZE = 16
@@ -447,6 +448,35 @@ def test_scripted_workload_returns_every_row_byte_exact(
     assert stats.timeouts == 0
     # The step copies went device-to-host through the pages (PAGE-6).
     assert stats.bytes_device_to_host > 0 or cuda.type != "cuda"
+
+
+@pytest.mark.gpu
+def test_deferred_rows_copied_in_small_pieces_come_back_byte_exact(
+    make_manager: Callable[..., OmniPrefixCacheManager],
+    cuda: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BUDGET-3: with `copy_chunk_bytes` of three codes rows, every deferred copy goes in pieces
+    of at most that size, and every row of the scripted workload still comes back exact."""
+    codes_row = 2 * 8  # codes.audio: 2 x int64
+    limit = 3 * codes_row
+    pieces: list[tuple[int, int]] = []
+    copy_in_pieces = committer_module.copy_in_pieces
+
+    def recorded(
+        dst: torch.Tensor, src: torch.Tensor, max_bytes: int, *, non_blocking: bool = False
+    ) -> list[tuple[int, int]]:
+        got = copy_in_pieces(dst, src, max_bytes, non_blocking=non_blocking)
+        pieces.extend(got)
+        return got
+
+    monkeypatch.setattr(committer_module, "copy_in_pieces", recorded)
+    config = attrs.evolve(scripted_config(), copy_chunk_bytes=limit)
+    manager = make_manager(config, policy=POLICY, threaded=True, prefetch=False)
+    run_scripted_workload(ScriptedEngine(manager, cuda))
+    assert manager.stats().writes_failed == 0
+    assert len(pieces) > manager.stats().steps_saved, "deferred copies were not split"
+    assert all((stop - start) * codes_row <= limit for start, stop in pieces), pieces
 
 
 @pytest.mark.gpu
