@@ -25,6 +25,26 @@ from tests.adapter_helpers import Engine, Workload, make_manager, settle
 STEPS = 2000
 #: Steps are consumed one to this many steps late (staging_depth leaves room for it).
 MAX_LAG = 3
+#: A small cache the workload recycles fast: 24 blocks, room for MAX_LAG open steps, and a
+#: budget of a few steps of deferred rows (32 bytes each), so saves force flushes (BUDGET-2).
+BUSY_CACHE: dict[str, Any] = {
+    "num_blocks": 24,
+    "staging_depth": MAX_LAG + 3,
+    "staging_capacity_tokens": 32,
+    "staging_claim_timeout_s": 30.0,
+    "gpu_staging_bytes": 40 * 32,
+}
+
+
+def _run(workload: Workload, steps: int) -> Any:
+    """Run the workload's steps, stop at its first error, close it; return the settled stats."""
+    for _ in range(steps):
+        workload.step()
+        if workload.errors:
+            break
+    workload.close()
+    assert not workload.errors, workload.errors[:5]
+    return settle(workload.engine.m)
 
 
 def _count_internal_paths(
@@ -52,15 +72,7 @@ def _count_internal_paths(
 def test_builder_thread_consumes_late(threaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Random hits, finishes, aborts and block reuse read back exactly on a late builder thread."""
     began = time.monotonic()
-    manager = make_manager(
-        threaded,
-        num_blocks=24,
-        staging_depth=MAX_LAG + 3,
-        staging_capacity_tokens=32,
-        staging_claim_timeout_s=30.0,
-        # A few steps of deferred rows (32 bytes each): the budget forces flushes (BUDGET-2).
-        gpu_staging_bytes=40 * 32,
-    )
+    manager = make_manager(threaded, **BUSY_CACHE)
     seen = _count_internal_paths(manager, monkeypatch)
     if threaded:
         # Some pool writes take a while, so writes overlap the next steps and their claims.
@@ -74,13 +86,7 @@ def test_builder_thread_consumes_late(threaded: bool, monkeypatch: pytest.Monkey
             check_pool_every=50,
             builder=True,
         )
-        for _ in range(STEPS):
-            workload.step()
-            if workload.errors:
-                break
-        workload.close()
-        assert not workload.errors, workload.errors[:5]
-        stats = settle(manager)
+        stats = _run(workload, STEPS)
     counts = workload.counts
     # Every step id was consumed exactly once, and nothing is left held or recorded.
     assert stats.steps_saved == STEPS
@@ -189,14 +195,7 @@ def test_committer_never_takes_the_state_lock_and_the_pool_has_one_writer(
 ) -> None:
     """CONC-2: only caller threads take the state lock. CONC-4: every pool write runs on one
     thread, the committer's (threaded) or the engine's (inline), escalations and flushes too."""
-    manager = make_manager(
-        threaded,
-        num_blocks=24,
-        staging_depth=MAX_LAG + 3,
-        staging_capacity_tokens=32,
-        staging_claim_timeout_s=30.0,
-        gpu_staging_bytes=40 * 32,  # budget flushes (BUDGET-2) escalate writes from the engine
-    )
+    manager = make_manager(threaded, **BUSY_CACHE)
     lock = _RecordingLock()
     monkeypatch.setattr(manager, "_lock", lock)
     writers: Counter[str] = Counter()
@@ -213,13 +212,7 @@ def test_committer_never_takes_the_state_lock_and_the_pool_has_one_writer(
         # No builder thread: the engine thread consumes, so the lock's takers are the engine,
         # the prefetch worker and (if it broke CONC-2) the committer.
         workload = Workload(Engine(manager), seed=7 + threaded, max_lag=MAX_LAG, builder=False)
-        for _ in range(300):
-            workload.step()
-            if workload.errors:
-                break
-        workload.close()
-        assert not workload.errors, workload.errors[:5]
-        stats = settle(manager)
+        stats = _run(workload, 300)
     assert stats.budget_flushes > 0 and workload.counts.finishes > 0, (stats, workload.counts)
     assert sum(writers.values()) > 300, writers
     if threaded:
