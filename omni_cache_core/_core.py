@@ -274,7 +274,7 @@ class _Read:
             slots=self.slots,
             source=self.source,
             writer=self.writer,
-            chunk_limit=tuple(sorted(self.chunk_limit.items())),
+            chunk_limit=tuple(sorted(self.chunk_limit.items())) if self.chunk_limit else (),
             step_row=self.step_row,
             preserved=self.preserved,
         )
@@ -569,13 +569,17 @@ class CacheCore:
         # The usual hit: every row is in the pool.
         all_committed = {key: bool(is_committed.all()) for key, is_committed in committed.items()}
         effects: list[PrefetchRead] = []
+        ranges: dict[int, npt.NDArray[np.int64]] = {}  # hits are mostly of one length
         for i, (req_id, _) in enumerate(hits):
             lo, hi = bounds[i], bounds[i + 1]
             hit_slots = every[lo:hi]
             self._start_hits[req_id] = (hit_slots, read_ids[i])
             for key in hit_keys:
                 if all_committed[key]:
-                    positions, slots = np.arange(hi - lo), hit_slots
+                    positions = ranges.get(hi - lo)
+                    if positions is None:
+                        positions = ranges[hi - lo] = np.arange(hi - lo)
+                    slots = hit_slots
                 else:
                     positions = np.flatnonzero(committed[key][lo:hi])
                     if not len(positions):
@@ -977,7 +981,10 @@ class CacheCore:
         elif isinstance(inp, WriteLanded):
             task = self._move(inp.tid, "write_landed")
             for key, chunks in task.slots.items():
-                self._tables[key].commit(task.tid, _concat(chunks))
+                # A slot leaves a write only through a claim or an absence, which tombstone it
+                # (SLOT-2): without tombstones the write still owns every slot it claimed.
+                intact = key not in task.tombstones
+                self._tables[key].commit(task.tid, _concat(chunks), intact=intact)
             self._retire(task)
         elif isinstance(inp, WriteFailed):
             task = self._move(inp.tid, "fail")
@@ -1181,6 +1188,15 @@ class CacheCore:
 
     def _check_hit(self, req_id: ReqId, hit_end: int, block_ids: tuple[int, ...]) -> None:
         block_size = self.config.block_size
+        hit_blocks = block_ids[: hit_end // block_size]
+        if (
+            block_ids
+            and not hit_end % block_size
+            and len(hit_blocks) * block_size == hit_end
+            and min(hit_blocks) >= 0
+            and max(hit_blocks) < self.config.num_blocks
+        ):
+            return  # the usual hit; the refusals below build their messages
         # HIT-1: every refusal names the request, hit_end and the block size.
         what = f"hit of request {req_id!r} (hit_end={hit_end}, block_size={block_size})"
         if not block_ids:
@@ -1201,7 +1217,6 @@ class CacheCore:
                 expected=f"at least {hit_end // block_size} blocks for hit_end={hit_end}",
                 got=f"{len(block_ids)} blocks",
             )
-        hit_blocks = block_ids[: hit_end // block_size]
         if min(hit_blocks) < 0 or max(hit_blocks) >= self.config.num_blocks:
             raise BadInputError(
                 what=f"block ids of request {req_id!r}",

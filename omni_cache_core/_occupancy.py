@@ -74,8 +74,15 @@ class OccupancyTable:
         self.version[slots] += _VERSION_DTYPE(1)
         return _by_loser(losers, lost_slots)
 
-    def commit(self, tid: int, slots: SlotArray) -> None:
-        """Mark the slots `tid` still owns COMMITTED (SLOT-3); versions are unchanged."""
+    def commit(self, tid: int, slots: SlotArray, *, intact: bool = False) -> None:
+        """Mark the slots `tid` still owns COMMITTED (SLOT-3); versions are unchanged.
+
+        `intact`: the caller knows `tid` lost none of `slots`, so they are marked without
+        checking who owns them.
+        """
+        if intact:
+            self.owner[slots] = COMMITTED
+            return
         still_owned = slots[self.owner[slots] == tid]
         self.owner[still_owned] = COMMITTED
 

@@ -30,7 +30,9 @@ def _skip_copy_on_write(self: CacheCore, slots: SlotArray) -> list[Preserve]:
     return []
 
 
-def _commit_ignoring_owners(self: OccupancyTable, tid: int, slots: SlotArray) -> None:
+def _commit_ignoring_owners(
+    self: OccupancyTable, tid: int, slots: SlotArray, *, intact: bool = False
+) -> None:
     """A core that forgets SLOT-3: a landing write commits slots a newer write took."""
     self.owner[slots] = COMMITTED
 
