@@ -27,7 +27,10 @@ the engine; in threaded mode the pool write runs on the committer thread, off th
 prefill verdict compares the whole process's CPU time (all the work) with the copies. Building the write layout is the engine's side and is reported apart
 (`layout ms`). Intra-op threads default to 1, so the copies and the cycles run alike.
 
-Run: python bench/adapter_step.py [--steps N] [--threads T]
+Each row is run `--rounds` times (default 3), each on a fresh manager, and the round with the
+least process CPU per cycle is printed: the shared machine's speed swings between runs.
+
+Run: python bench/adapter_step.py [--steps N] [--threads T] [--rounds R]
 """
 
 from __future__ import annotations
@@ -282,6 +285,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="decode cycles per mode")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per row; the quietest is shown")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     baseline = CopyBaseline()
@@ -299,7 +303,11 @@ def main() -> None:
             ("decode 256x1", bench_decode, args.steps, 20),
             ("prefill 16x512 8 hits", bench_prefill, prefill_steps, 4),
         ):
-            s = bench(threaded, steps, warmup, baseline)
+            # The machine is shared: keep the quietest of the rounds (least CPU per cycle).
+            s = min(
+                (bench(threaded, steps, warmup, baseline) for _ in range(args.rounds)),
+                key=lambda r: Samples.med_ms(r.cpu),
+            )
             cpu = Samples.med_ms(s.cpu)
             copy = Samples.med_ms(s.copy)
             if bench is bench_decode:

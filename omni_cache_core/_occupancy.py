@@ -64,10 +64,9 @@ class OccupancyTable:
         else:
             self.owner[slots] = new_owner
             self.version[slots] += _VERSION_DTYPE(1)
-            in_flight = previous > 0
-            if not in_flight.any():  # the usual claim: nothing was in flight there
-                return []
-            displaced = in_flight & (previous != new_owner)
+            if not len(previous) or previous.max() <= 0:
+                return []  # the usual claim: nothing was in flight there
+            displaced = (previous > 0) & (previous != new_owner)
             losers = previous[displaced]
             lost_slots = slots[displaced]
             return _by_loser(losers, lost_slots)
