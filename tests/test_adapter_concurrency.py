@@ -174,18 +174,21 @@ def test_racing_consumers_consume_once() -> None:
 
 
 class _RecordingLock:
-    """A lock that records the name of every thread that takes it."""
+    """A lock that records the name of every thread that takes it, and who holds it now."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.takers: Counter[str] = Counter()
+        self.holder: str | None = None
 
     def __enter__(self) -> bool:
         self._lock.acquire()
-        self.takers[threading.current_thread().name] += 1
+        self.holder = threading.current_thread().name
+        self.takers[self.holder] += 1
         return True
 
     def __exit__(self, *exc: object) -> None:
+        self.holder = None
         self._lock.release()
 
 
@@ -194,16 +197,20 @@ def test_committer_never_takes_the_state_lock_and_the_pool_has_one_writer(
     threaded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CONC-2: only caller threads take the state lock. CONC-4: every pool write runs on one
-    thread, the committer's (threaded) or the engine's (inline), escalations and flushes too."""
+    thread, the committer's (threaded) or the engine's (inline), escalations and flushes too.
+    CONC-1: no thread writes the pool while it holds the state lock (inline writes run outside)."""
     manager = make_manager(threaded, **BUSY_CACHE)
     lock = _RecordingLock()
     monkeypatch.setattr(manager, "_lock", lock)
     writers: Counter[str] = Counter()
+    under_lock: list[int] = []
     committer = manager._committer
     write_pool = committer._write_pool
 
     def recorded_write_pool(job: WriteJob) -> None:
         writers[threading.current_thread().name] += 1
+        if lock.holder == threading.current_thread().name:
+            under_lock.append(job.tid)  # this thread writes the pool inside the state lock
         write_pool(job)
 
     monkeypatch.setattr(committer, "_write_pool", recorded_write_pool)
@@ -224,3 +231,4 @@ def test_committer_never_takes_the_state_lock_and_the_pool_has_one_writer(
     else:
         assert set(writers) == {engine_thread}, writers  # CONC-4: the caller writes inline
     assert lock.takers[engine_thread] > 0, lock.takers
+    assert not under_lock, f"pool writes while the state lock was held (CONC-1): {under_lock[:5]}"
