@@ -9,6 +9,7 @@ Every 50 steps the pool rows of all COMMITTED slots are compared with the oracle
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -16,10 +17,14 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import torch
 
+from omni_cache_core import TensorName, Tid
+from omni_cache_core._values import WriteFailed, WriteLanded
 from omni_cache_cuda import OmniPrefixCacheManager, StepAlreadyConsumedError, WaitTimeoutError
-from omni_cache_cuda._committer import WriteJob
-from tests.adapter_helpers import Engine, Workload, make_manager, settle
+from omni_cache_cuda._committer import Chunk, Committer, Signal, WriteJob
+from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
+from tests.adapter_helpers import Engine, Workload, make_manager, settle, wait_for
 
 #: Engine steps per run: enough for hundreds of hits, recycled blocks and budget flushes.
 STEPS = 2000
@@ -232,3 +237,66 @@ def test_committer_never_takes_the_state_lock_and_the_pool_has_one_writer(
         assert set(writers) == {engine_thread}, writers  # CONC-4: the caller writes inline
     assert lock.takers[engine_thread] > 0, lock.takers
     assert not under_lock, f"pool writes while the state lock was held (CONC-1): {under_lock[:5]}"
+
+
+@pytest.mark.parametrize("failure", ["raised", "bad rows"])
+def test_committer_thread_goes_on_after_a_failed_write(failure: str) -> None:
+    """FAIL-2: a write that fails is reported FAILED, and the committer thread lives on to run
+    the writes queued behind it, in order ("raised": the write raises on its way to the pool;
+    "bad rows": its rows do not fit the pool)."""
+    pool, reports, committer = _bare_committer()
+    key = CODES
+    if failure == "raised":
+        committer.fault = lambda job: _raise_if(job.tid == 1)
+    jobs = []
+    for tid in (1, 2, 3):
+        width = 3 if (tid == 1 and failure == "bad rows") else 2
+        rows = torch.full((2, width), 10 * tid, dtype=torch.int64)
+        job = WriteJob(Tid(tid), (key,))
+        job.chunks.append(Chunk(torch.tensor([2 * tid - 2, 2 * tid - 1]), {key: rows}))
+        jobs.append(job)
+    committer.escalate(jobs)
+    assert wait_for(lambda: sum(isinstance(r, WriteLanded) for r in reports) == 2), list(reports)
+    committer.shutdown(5.0)
+    failed = [r.tid for r in reports if isinstance(r, WriteFailed)]
+    landed = [r.tid for r in reports if isinstance(r, WriteLanded)]
+    assert (failed, landed) == ([1], [2, 3]), list(reports)
+    assert committer._thread is not None and not committer._thread.is_alive()
+    assert pool.tensors[key][2:6].flatten().tolist() == [20, 20, 20, 20, 30, 30, 30, 30]
+
+
+def test_committer_skips_the_slots_a_write_lost() -> None:
+    """SLOT-2, the committer's part: a tombstoned slot keeps the newer tenant's row; the rows
+    around it are written, and a slot the write claimed twice gets its last row (TASK-5)."""
+    pool, reports, committer = _bare_committer()
+    pool.tensors[CODES][:] = -1  # what newer writes left there
+    job = WriteJob(Tid(1), (CODES,))
+    rows = torch.arange(12, dtype=torch.int64).reshape(6, 2)
+    job.chunks.append(Chunk(torch.tensor([0, 1, 2]), {CODES: rows[:3]}))
+    job.chunks.append(Chunk(torch.tensor([3, 2, 4]), {CODES: rows[3:]}))
+    job.add_tombstone(CODES, torch.tensor([1, 4]))
+    committer.escalate([job])
+    assert wait_for(lambda: any(isinstance(r, WriteLanded) for r in reports)), list(reports)
+    committer.shutdown(5.0)
+    got = pool.tensors[CODES][:6, 0].tolist()
+    assert got == [0, -1, 8, 6, -1, -1], got
+
+
+CODES = TensorName("codes.audio")
+
+
+def _bare_committer() -> tuple[HostPool, collections.deque[Any], Committer]:
+    """A threaded committer over a pool of 8 slots with one key (two int64 per row)."""
+    pool = HostPool(8, pin=False)
+    shape = KeyShape(features=(2,), dtype=torch.int64)
+    pool.install(CODES, shape, pool.allocate(shape))
+    reports: collections.deque[Any] = collections.deque()
+    committer = Committer(
+        pool, StagingPages(1, 4, pin=False), reports, Signal(), threaded=True, copy_chunk_bytes=64
+    )
+    return pool, reports, committer
+
+
+def _raise_if(condition: bool) -> None:
+    if condition:
+        raise RuntimeError("injected pool write failure")
