@@ -25,6 +25,8 @@ Machines and the inputs each sees:
   escalates the request's deferred writes (TASK-4).
 - **Budget** (BUDGET): bytes of device clones, charged per clone allocation as a ticket whose
   viewers are the tasks reading it; released when the last viewer reaches HOST_READY or fails.
+  A save that does not fit escalates the oldest unfinished write and waits until it is WRITTEN,
+  then checks again (BUDGET-2, D12).
 - **Reads** (HIT, D4): hits are planned at start for prefetch and finally at commit, after the
   step's own claims; reads of older, unconsumed steps are protected by copy-on-write (`Preserve`)
   or marked violated.
