@@ -1476,9 +1476,11 @@ class CacheCore:
             mine = step_row >= 0
         else:
             step_row = np.full(len(every), -1, dtype=np.int32)
+            step_row.setflags(write=False)  # shared by every read of the step
             mine = None
         reads: dict[ReqId, list[_Read]] = {r: [] for r, _ in hits}
         no_writer = np.zeros(len(every), dtype=np.int32)
+        no_writer.setflags(write=False)  # shared by every read of every key without writers
         for key in keys:
             table = self._tables.get(key)
             if table is None:
