@@ -268,10 +268,9 @@ class Disagreement(AssertionError):
 
 @attrs.frozen(kw_only=True)
 class Outcome:
-    """How a replay ended: how many actions it replayed, and why it stopped early (if it did)."""
+    """How many actions a replay went through, and what it compared."""
 
     replayed: int
-    stopped: str | None = None
     checked: Counter[str] = attrs.Factory(Counter)
 
 
@@ -367,19 +366,14 @@ class Replay:
     # Driving the core.
 
     def run(self, acts: Sequence[Act]) -> Outcome:
-        """Replay every action; stop early only before what the core cannot express."""
-        for n, act in enumerate(acts):
+        """Replay every action; the first disagreement raises."""
+        for act in acts:
             entry = MAP["actions"].get(act.name)
             if entry is None:
                 raise Disagreement(f"action {act.name!r} is not in spec/trace_map.toml")
             self.fed = []
             try:
-                stop = getattr(self, f"on_{act.name}")(act)
-                if stop is not None:
-                    if stop not in MAP["known"] and stop not in MAP["unrepresentable"]:
-                        raise Disagreement(f"stop reason {stop!r} is not in the map")
-                    where = f"{stop} at line {act.index + 1}"
-                    return Outcome(replayed=n, stopped=where, checked=self.checked)
+                getattr(self, f"on_{act.name}")(act)
                 extra = [name for name in self.fed if name not in entry["inputs"]]
                 if extra:
                     raise Disagreement(f"{act.name} fed {extra}, which the map does not list")
@@ -454,7 +448,7 @@ class Replay:
         )
         self.sched[act.num("req")] = (slots, act.args["key1"] == "1")
 
-    def on_new_step(self, act: Act) -> str | None:
+    def on_new_step(self, act: Act) -> None:
         """new_step_starts: finishes first, then starts (HIT-2)."""
         emits = {emit for _, emit in self.sched.values()}
         if len(emits) > 1:
@@ -472,10 +466,9 @@ class Replay:
         if act.error is not None:
             self.expect_error(act.error, lambda: self.feed(inp), unchanged=True)
             self.sched = {}
-            return None
+            return
         effects = self.expect_ok(lambda: self.feed(inp))
         self.run_effects(effects, step=None)
-        return None
 
     # -----------------------------------------------------------------------------------------
     # Engine: save_outputs.
@@ -1029,31 +1022,13 @@ def committed_traces() -> list[Path]:
     return sorted(TRACES.glob("*.trace"))
 
 
-@pytest.mark.parametrize(
-    "path", [p for p in committed_traces() if not p.stem.startswith("known-")], ids=lambda p: p.stem
-)
+@pytest.mark.parametrize("path", committed_traces(), ids=lambda p: p.stem)
 def test_a_committed_trace_replays_through_the_core(path: Path) -> None:
     """A committed regression trace replays to its end with the core agreeing on every action."""
     trace = read_trace_file(path)
     for prefetch in (True, False):
         outcome = replay(trace, prefetch=prefetch)
-        assert outcome.stopped is None, f"{path.name} stopped: {outcome.stopped}"
         assert outcome.replayed == len(trace.lines)
-
-
-@pytest.mark.parametrize(
-    "path", [p for p in committed_traces() if p.stem.startswith("known-")], ids=lambda p: p.stem
-)
-def test_a_known_disagreement_still_shows_where_the_map_says(path: Path) -> None:
-    """A known-disagreement trace stops at its [known] entry; once fixed, this test says so."""
-    reason = path.stem.removeprefix("known-").split(".")[0].replace("-", "_")
-    assert reason in MAP["known"], f"{path.name}: no [known] entry {reason!r} in the map"
-    outcome = replay(read_trace_file(path))
-    assert outcome.stopped is not None and outcome.stopped.startswith(reason), (
-        f"{path.name} no longer shows the known disagreement {reason!r} (the replay "
-        f"{'stopped: ' + outcome.stopped if outcome.stopped else 'ran to the end'}): drop the "
-        "[known] entry and this trace, or record the new behaviour"
-    )
 
 
 def test_a_wrong_read_value_in_a_trace_is_caught() -> None:
@@ -1104,7 +1079,6 @@ def test_fresh_model_traces_replay_through_the_core(capsys: pytest.CaptureFixtur
     began = time.monotonic()
     replayed = actions = tried = 0
     checked: Counter[str] = Counter()
-    stops: dict[str, list[str]] = {}
     failures: list[str] = []
     with ThreadPoolExecutor(max_workers=4) as pool:
         # A few simulations in flight at a time, replayed in seed order as they finish.
@@ -1127,9 +1101,6 @@ def test_fresh_model_traces_replay_through_the_core(capsys: pytest.CaptureFixtur
             replayed += 1
             actions += outcome.replayed
             checked += outcome.checked
-            if outcome.stopped is not None:
-                reason = outcome.stopped.split()[0]
-                stops.setdefault(reason, []).append(f"{trace.source} ({outcome.stopped})")
         for future in pending:
             future.cancel()
     with capsys.disabled():
@@ -1137,7 +1108,5 @@ def test_fresh_model_traces_replay_through_the_core(capsys: pytest.CaptureFixtur
             f"trace conformance: {replayed} traces with a save from {tried} seeds, {actions} "
             f"actions replayed in {time.monotonic() - began:.1f} s; compared: {dict(checked)}"
         )
-        for reason, where in sorted(stops.items()):
-            print(f"trace conformance: {len(where)} stopped early, {reason}; e.g. {where[0]}")
     assert not failures, f"{len(failures)} traces disagree; first:\n{failures[0]}"
     assert replayed >= FRESH_TRACES, f"only {replayed} traces with a save in {tried} seeds"
