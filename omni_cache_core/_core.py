@@ -383,8 +383,6 @@ class CacheCore:
         #: The last layout found distinct and live, kept until a request ends (a cache only:
         #: not part of the state).
         self._known_layout: tuple[tuple[ReqId, ...], frozenset[ReqId]] | None = None
-        #: Output keys per (immediate keys, deferred keys, hidden cached) (a cache only).
-        self._out_keys_cache: dict[Any, tuple[TensorName, ...]] = {}
         self._tables: dict[TensorName, OccupancyTable] = {}
         # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
         self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
@@ -887,7 +885,7 @@ class CacheCore:
         # The usual call asks for the whole layout, in order: no set to build.
         if requested != step.req_ids and not step.req_set.issuperset(requested):
             self._end_step(step)
-            outside = sorted(set(requested) - set(step.req_ids))[:4]
+            outside = sorted(set(requested) - step.req_set)[:4]
             raise BadInputError(
                 what=f"materialize(step {step.step_id}) request ids",
                 expected="a subset of the requests saved in that step (STEP-4)",
@@ -1190,35 +1188,29 @@ class CacheCore:
 
     def _check_hit(self, req_id: ReqId, hit_end: int, block_ids: tuple[int, ...]) -> None:
         block_size = self.config.block_size
-        hit_blocks = block_ids[: hit_end // block_size]
-        if (
-            block_ids
-            and not hit_end % block_size
-            and len(hit_blocks) * block_size == hit_end
-            and min(hit_blocks) >= 0
-            and max(hit_blocks) < self.config.num_blocks
-        ):
-            return  # the usual hit; the refusals below build their messages
-        # HIT-1: every refusal names the request, hit_end and the block size.
-        what = f"hit of request {req_id!r} (hit_end={hit_end}, block_size={block_size})"
+
+        def what() -> str:  # HIT-1: every refusal names the request, hit_end and the block size
+            return f"hit of request {req_id!r} (hit_end={hit_end}, block_size={block_size})"
+
         if not block_ids:
             raise BadInputError(
-                what=what,
+                what=what(),
                 expected="the request's block ids",
                 got="no block ids",
             )
         if hit_end % block_size:
             raise BadInputError(
-                what=what,
+                what=what(),
                 expected=f"hit_end a multiple of block_size={block_size}",
                 got=f"hit_end={hit_end}",
             )
         if hit_end > len(block_ids) * block_size:
             raise BadInputError(
-                what=what,
+                what=what(),
                 expected=f"at least {hit_end // block_size} blocks for hit_end={hit_end}",
                 got=f"{len(block_ids)} blocks",
             )
+        hit_blocks = block_ids[: hit_end // block_size]
         if min(hit_blocks) < 0 or max(hit_blocks) >= self.config.num_blocks:
             raise BadInputError(
                 what=f"block ids of request {req_id!r}",
@@ -1254,14 +1246,10 @@ class CacheCore:
 
     def _out_keys(self, sv: SaveBegin) -> tuple[TensorName, ...]:
         """The keys a consume returns: hidden first (when cached), then mm keys sorted."""
-        hidden = self.policy.needs_full_hidden_states
-        cache_key = (sv.immediate_keys, sv.deferred_keys, hidden)
-        keys = self._out_keys_cache.get(cache_key)
-        if keys is None:
-            mm = sorted(k for k in (*sv.immediate_keys, *sv.deferred_keys) if k != HIDDEN_KEY)
-            keys = (HIDDEN_KEY, *mm) if hidden else tuple(mm)
-            self._out_keys_cache[cache_key] = keys
-        return keys
+        mm = sorted(k for k in (*sv.immediate_keys, *sv.deferred_keys) if k != HIDDEN_KEY)
+        if self.policy.needs_full_hidden_states:
+            return (HIDDEN_KEY, *mm)
+        return tuple(mm)
 
     def _new_tid(self) -> Tid:
         if self._next_tid > _MAX_TID:

@@ -52,6 +52,7 @@ class OccupancyTable:
         earlier owners, and owners given a slot that a later row of the same claim took.
         """
         previous = self.owner[slots]
+        self.version[slots] += _VERSION_DTYPE(1)
         if isinstance(new_owner, np.ndarray):
             # Fancy assignment leaves a repeated index's winner unspecified, so give each slot
             # its last row's owner explicitly; then every other owner of it has lost it.
@@ -67,14 +68,11 @@ class OccupancyTable:
             lost_slots = np.concatenate([slots[displaced], slots[beaten]])
         else:
             self.owner[slots] = new_owner
-            self.version[slots] += _VERSION_DTYPE(1)
             if not len(previous) or previous.max() <= 0:
                 return []  # the usual claim: nothing was in flight there
             displaced = (previous > 0) & (previous != new_owner)
             losers = previous[displaced]
             lost_slots = slots[displaced]
-            return _by_loser(losers, lost_slots)
-        self.version[slots] += _VERSION_DTYPE(1)
         return _by_loser(losers, lost_slots)
 
     def commit(self, tid: int, slots: SlotArray, *, intact: bool = False) -> None:

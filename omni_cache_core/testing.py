@@ -1295,9 +1295,7 @@ class CacheMachine(RuleBasedStateMachine):
                 events.append(PrefixCacheRequestEvent(req_id=req_id, kind=kind))
         # The blocks an ending request hit come free now, while the read of its hit may still be
         # pending (late reads): a new tenant recomputing them is the HIT-6 case, made likely.
-        freed = sorted(
-            {b for e in events for b in self._hit_blocks(ReqId(e.req_id)) if e.req_id in live}
-        )
+        freed = sorted({b for e in events for b in self._hit_blocks(ReqId(e.req_id))})
         blocks_of: dict[ReqId, tuple[tuple[int, ...], int]] = {}
         for req_id in data.draw(st.lists(st.sampled_from(REQS), unique=True, max_size=2)):
             # Hit blocks come mostly from blocks some save wrote (so hits read the pool and
