@@ -24,8 +24,9 @@ Columns, medians after a warm-up:
 Verdicts use CPU time, which other load on a shared machine inflates least; wall-clock figures
 are printed beside them. The decode verdict is the engine thread's CPU time (what a step costs
 the engine; in threaded mode the pool write runs on the committer thread, off that path); the
-prefill verdict compares the whole process's CPU time (all the work) with the copies. Building the write layout is the engine's side and is reported apart
-(`layout ms`). Intra-op threads default to 1, so the copies and the cycles run alike.
+prefill verdict compares the whole process's CPU time (all the work) with the copies. Building
+the write layout is the engine's side and is reported apart (`layout ms`). Intra-op threads
+default to 1, so the copies and the cycles run alike.
 
 Each row is run `--rounds` times (default 3), each on a fresh manager, and the round with the
 least process CPU per cycle is printed: the shared machine's speed swings between runs.
