@@ -69,7 +69,7 @@ from omni_cache_core._errors import (
     WaitTimeoutError,
     WriteFailedError,
 )
-from omni_cache_core._occupancy import ABSENT, COMMITTED, OccupancyTable
+from omni_cache_core._occupancy import ABSENT, COMMITTED, OccupancyTable, any_true
 from omni_cache_core._values import (
     AwaitPage,
     AwaitTasks,
@@ -125,6 +125,9 @@ _ZEROS: Final = np.int8(SlotSource.ZEROS.value)
 _THIS_STEP: Final = np.int8(SlotSource.THIS_STEP.value)
 
 _EMPTY_SLOTS: Final = np.zeros(0, dtype=np.int64)
+
+# (immediate keys, deferred keys, has rows): what `_check_keys` validates.
+_KeySignature = tuple[tuple[TensorName, ...], tuple[TensorName, ...], bool]
 
 # Save phases, in order.
 _BARRIER, _BUDGET, _PAGE, _READY = "barrier", "budget", "page", "ready"
@@ -221,79 +224,40 @@ class _Request:
 
 
 class _Read:
-    __slots__ = (
-        "chunk_limit",
-        "error",
-        "has_writers",
-        "key",
-        "preserved",
-        "read_id",
-        "req_id",
-        "slots",
-        "source",
-        "step_id",
-        "step_row",
-        "version",
-        "violated",
-        "writer",
-    )
+    """A planned hit read: its plan, final at planning (D4), and what may still change.
+
+    The plan is built once, when the read is planned, and handed out as is at consume: its
+    arrays are final then except `preserved`, which copy-on-write marks in place (HIT-6).
+    """
+
+    __slots__ = ("error", "has_writers", "plan", "step_id", "version", "violated")
 
     def __init__(
-        self,
-        read_id: int,
-        req_id: ReqId,
-        key: TensorName,
-        slots: SlotArray,
-        step_id: StepId,
-        source: npt.NDArray[np.int8],
-        version: npt.NDArray[np.uint32],
-        writer: npt.NDArray[np.int32],
-        step_row: npt.NDArray[np.int32],
+        self, plan: ReadPlan, step_id: StepId, version: npt.NDArray[np.uint32], has_writers: bool
     ) -> None:
-        self.read_id = read_id
-        self.req_id = req_id
-        self.key = key
-        self.slots = slots
+        self.plan = plan
         self.step_id = step_id
-        #: Per hit row: where it comes from (_POOL, _AFTER_WRITE, _TASK, _THIS_STEP, _ZEROS),
-        #: the slot version it was planned at, the in-flight writer (or 0) and the row of
-        #: this step that produces it (or -1).
-        self.source = source
+        #: Per hit row, the slot version it was planned at.
         self.version = version
-        self.writer = writer
-        self.step_row = step_row
-        self.preserved = np.zeros(len(slots), dtype=np.bool_)
-        self.chunk_limit: dict[Tid, int] = {}
+        #: Whether any row is owned by an in-flight write (AFTER_WRITE or TASK).
+        self.has_writers = has_writers
         self.error: str | None = None
         self.violated = 0
-        self.has_writers = False
-
-    def plan(self) -> ReadPlan:
-        return ReadPlan(
-            read_id=self.read_id,
-            req_id=self.req_id,
-            key=self.key,
-            slots=self.slots,
-            source=self.source,
-            writer=self.writer,
-            chunk_limit=tuple(sorted(self.chunk_limit.items())) if self.chunk_limit else (),
-            step_row=self.step_row,
-            preserved=self.preserved,
-        )
 
     def canonical(self) -> tuple[Any, ...]:
+        plan = self.plan
         return (
-            self.read_id,
-            self.req_id,
-            self.key,
+            plan.read_id,
+            plan.req_id,
+            plan.key,
             self.step_id,
-            tuple(self.slots.tolist()),
-            tuple(self.source.tolist()),
-            tuple(self.writer.tolist()),
+            tuple(plan.slots.tolist()),
+            tuple(plan.source.tolist()),
+            tuple(plan.writer.tolist()),
             tuple(self.version.tolist()),
-            tuple(self.step_row.tolist()),
-            tuple(self.preserved.tolist()),
-            tuple(sorted(self.chunk_limit.items())),
+            tuple(plan.step_row.tolist()),
+            tuple(plan.preserved.tolist()),
+            plan.chunk_limit,
             self.error,
             self.violated,
         )
@@ -303,6 +267,7 @@ class _Step:
     __slots__ = (
         "consume_deadline_ns",
         "consuming",
+        "hit_rows",
         "keys",
         "page",
         "reads",
@@ -323,6 +288,7 @@ class _Step:
         keys: tuple[TensorName, ...],
         tid: Tid | None,
         reads: dict[ReqId, list[_Read]],
+        hit_rows: npt.NDArray[np.int64] | None,
     ) -> None:
         self.step_id = step_id
         self.page = page
@@ -332,6 +298,8 @@ class _Step:
         self.keys = keys
         self.tid = tid
         self.reads = reads
+        #: Rows of all reads per `SlotSource`, counted when a consume takes them all.
+        self.hit_rows = hit_rows
         self.consuming = False
         self.consume_deadline_ns: int | None = None
 
@@ -373,6 +341,9 @@ class CacheCore:
         self._next_step_id = 1
         self._next_tid = 1
         self._next_read_id = 1
+        #: Per key, how many registered writes hold slots of it (derived from the tasks: with
+        #: none, no slot of that key can be in flight, and a claim skips looking).
+        self._writers: dict[TensorName, int] = {}
         self._pages: list[set[tuple[str, int]]] = [set() for _ in range(config.staging_depth)]
         self._steps: dict[StepId, _Step] = {}
         self._tasks: dict[Tid, _Task] = {}
@@ -392,6 +363,9 @@ class CacheCore:
         self._unwritten_step_writes: set[Tid] = set()  # TASK-3: next save waits WRITTEN
         self._escalated: set[Tid] = set()  # TASK-3: next save waits HOST_READY
         self._save: _PendingSave | None = None
+        #: Key sets `_check_keys` accepted under the current policy, each with the keys a
+        #: consume returns (a cache: not state).
+        self._key_sets: dict[_KeySignature, tuple[TensorName, ...]] = {}
 
     # -----------------------------------------------------------------------------------------
     # Queries.
@@ -460,7 +434,7 @@ class CacheCore:
         if step is None:
             return ()
         return tuple(
-            (read.read_id, frozenset(read.chunk_limit))
+            (read.plan.read_id, frozenset(tid for tid, _ in read.plan.chunk_limit))
             for reads in step.reads.values()
             for read in reads
         )
@@ -490,6 +464,7 @@ class CacheCore:
                 got="a call after a step started",
             )
         self.policy = policy
+        self._key_sets.clear()
 
     def start_step(self, inp: StartStep) -> tuple[Effect, ...]:
         """Apply a step's lifecycle records: finishes first (HIT-2), then starts and hits.
@@ -626,14 +601,15 @@ class CacheCore:
             len(bounds) != len(req_ids) + 1
             or bounds[0] != 0
             or bounds[-1] != n
-            or (len(bounds) > 2 and bool((bounds[1:] < bounds[:-1]).any()))
+            or (len(bounds) > 2 and any_true(bounds[1:] < bounds[:-1]))
         ):
             raise BadInputError(
                 what="write layout rows",
                 expected=f"contiguous row ranges from 0 to {n} in batch order",
                 got=f"bounds {bounds.tolist()[:8]}... for {len(req_ids)} requests",
             )
-        if n and (int(slots.min()) < 0 or int(slots.max()) >= self._num_slots):
+        # argmin/argmax: a fraction of min()/max()'s fixed cost on a decode step's few slots.
+        if n and (slots[slots.argmin()] < 0 or slots[slots.argmax()] >= self._num_slots):
             raise BadInputError(
                 what="slot ids",
                 expected=f"ids in [0, {self._num_slots})",
@@ -722,9 +698,8 @@ class CacheCore:
     ) -> AwaitTasks | EscalateTasks | AwaitPage | PageClaimed:
         """Run the pending save's phases in order: barrier, budget, page (`save_proceed`)."""
         if save.phase == _BARRIER:
-            waits = self._barrier_waits()
-            if waits:
-                return self._await(save, now, waits, "save barrier")
+            if self._unwritten_step_writes or self._escalated:
+                return self._await(save, now, self._barrier_waits(), "save barrier")
             save.phase, save.deadline_ns = _BUDGET, None
         if save.phase == _BUDGET:
             flushing = save.flushing
@@ -747,7 +722,7 @@ class CacheCore:
             self._budget_used += need
             save.phase, save.deadline_ns = _PAGE, None
         if save.phase == _PAGE:
-            free = next((i for i, holders in enumerate(self._pages) if not holders), None)
+            free = self._free_page()
             if free is None:
                 if save.deadline_ns is None:
                     save.deadline_ns = now + self._timeout_ns
@@ -807,6 +782,8 @@ class CacheCore:
 
         step_tid: Tid | None = None
         tickets_left = save.charged
+        # Only a registered write owns slots (SLOT-1): a key no write holds has nothing in flight.
+        busy = {key for key, count in self._writers.items() if count}
         if n:
             # HIT-6: protect older reads before anything changes the slots they planned on.
             effects.extend(self._copy_on_write(slots))
@@ -824,15 +801,15 @@ class CacheCore:
                 self._pages[page].add(("task", step_tid))  # PAGE-3: held before it is visible
                 self._unwritten_step_writes.add(step_tid)
                 for key in sv.immediate_keys:
-                    task.slots[key] = [slots]
-                    effects.extend(self._take(key, slots, step_tid))
+                    self._hold(task, key, slots)
+                    effects.extend(self._take(key, slots, step_tid, key in busy))
                 if sv.immediate_bytes:
                     self._add_ticket(sv.immediate_bytes, {step_tid})
                     tickets_left -= sv.immediate_bytes
             if sv.deferred_keys:
                 row_owner, deferred_tids = self._stage_deferred(sv, effects)
                 for key in sv.deferred_keys:
-                    effects.extend(self._take(key, slots, row_owner))
+                    effects.extend(self._take(key, slots, row_owner, key in busy))
                 if sv.deferred_bytes:
                     self._add_ticket(sv.deferred_bytes, deferred_tids)
                     tickets_left -= sv.deferred_bytes
@@ -840,14 +817,14 @@ class CacheCore:
             for key in self._tables:
                 if key not in emitted:
                     # SLOT-4: the step's requests wrote nothing for this key: explicit absence.
-                    effects.extend(self._take(key, slots, ABSENT))
+                    effects.extend(self._take(key, slots, ABSENT, key in busy))
         # Charges with no viewer (nothing was cloned after all) are given back at once.
         self._budget_used -= tickets_left
 
-        keys = self._out_keys(sv)
-        reads = self._plan_step_reads(step_id, sv, keys)
+        keys = self._key_sets[(sv.immediate_keys, sv.deferred_keys, n > 0)]
+        reads, hit_rows = self._plan_step_reads(step_id, sv, keys, step_tid)
         self._steps[step_id] = _Step(
-            step_id, page, sv.req_ids, save.req_set, sv.row_bounds, keys, step_tid, reads
+            step_id, page, sv.req_ids, save.req_set, sv.row_bounds, keys, step_tid, reads, hit_rows
         )
         self._start_hits = {}
         if step_tid is not None:
@@ -891,23 +868,27 @@ class CacheCore:
                 expected="a subset of the requests saved in that step (STEP-4)",
                 got=f"requests outside the save snapshot: {outside}",
             )
-        if step.reads:
+        whole = requested == step.req_ids
+        if not step.reads:
+            reads = []
+        elif whole:
+            reads = [r for rs in step.reads.values() for r in rs]
+        else:
             wanted = set(requested)
             reads = [r for req, rs in step.reads.items() if req in wanted for r in rs]
-        else:
-            reads = []
         waits: list[tuple[Tid, TaskState]] = []
         for read in reads:
+            plan = read.plan
             if read.error is not None or read.violated:
                 self._end_step(step)
                 reason = read.error or (
                     f"{read.violated} hit slots reassigned before this delayed read (HIT-6)"
                 )
                 raise HitUnreadableError(
-                    req_id=read.req_id, key=read.key, reason=reason, slot_count=len(read.slots)
+                    req_id=plan.req_id, key=plan.key, reason=reason, slot_count=len(plan.slots)
                 )
             if read.has_writers:
-                pending = read.writer[(read.source == _AFTER_WRITE) & ~read.preserved]
+                pending = plan.writer[(plan.source == _AFTER_WRITE) & ~plan.preserved]
                 for tid in np.unique(pending).tolist():
                     if Tid(tid) in self._tasks:
                         waits.append((Tid(tid), TaskState.WRITTEN))
@@ -932,14 +913,16 @@ class CacheCore:
         step.consuming = True
         step.consume_deadline_ns = None
         self.counters.steps_consumed += 1
-        if reads:
-            sources = np.concatenate([read.source for read in reads])
+        if whole and step.hit_rows is not None:
+            self.counters.hit_rows += step.hit_rows
+        elif reads:
+            sources = np.concatenate([read.plan.source for read in reads])
             self.counters.hit_rows += np.bincount(sources, minlength=len(SlotSource))
         return ConsumePlan(
             step_id=step.step_id,
             page=step.page,
             keys=step.keys,
-            reads=tuple(read.plan() for read in reads),
+            reads=tuple(read.plan for read in reads),
             discard=False,
         )
 
@@ -1024,7 +1007,9 @@ class CacheCore:
                     s.tid,
                     s.consuming,
                     s.consume_deadline_ns,
-                    tuple((r, tuple(x.read_id for x in rs)) for r, rs in sorted(s.reads.items())),
+                    tuple(
+                        (r, tuple(x.plan.read_id for x in rs)) for r, rs in sorted(s.reads.items())
+                    ),
                 )
                 for s in sorted(self._steps.values(), key=lambda s: s.step_id)
             ),
@@ -1060,7 +1045,10 @@ class CacheCore:
             ),
             tuple(sorted(self._lost_hits)),
             tuple(read.canonical() for _, read in sorted(self._reads.items())),
-            tuple((k, t.owner.tobytes(), t.version.tobytes()) for k, t in self._tables.items()),
+            tuple(
+                (k, t.claims, t.owner.tobytes(), t.version.tobytes())
+                for k, t in self._tables.items()
+            ),
             tuple(sorted(self._unwritten_step_writes)),
             tuple(sorted(self._escalated)),
             None
@@ -1142,6 +1130,19 @@ class CacheCore:
                 need(task is not None, f"key {key}: slot owned by retired task {tid}")
                 need(task is not None and key in task.slots, f"task {tid} owns an unclaimed key")
             need(bool((table.owner >= -2).all()), f"key {key}: bad owner code")
+            if table.claims < 2**32:
+                need(
+                    int(table.version.max()) <= table.claims,
+                    f"key {key}: a version above the table's {table.claims} claims",
+                )
+        writers: dict[TensorName, int] = {}
+        for task in self._tasks.values():
+            for key in task.slots:
+                writers[key] = writers.get(key, 0) + 1
+        need(
+            {k: c for k, c in self._writers.items() if c} == writers,
+            f"writers per key {self._writers} != the registered writes' keys {writers}",
+        )
         # D2: a request's open deferred write is PENDING and not escalated.
         for req_id, request in self._live.items():
             if request.open_tid is not None:
@@ -1158,7 +1159,7 @@ class CacheCore:
         for read in self._reads.values():
             need(
                 read.step_id is not None and read.step_id in self._steps,
-                f"read {read.read_id} outlived its step",
+                f"read {read.plan.read_id} outlived its step",
             )
         if self._save is not None and self._save.page is not None:
             need(("save", 0) in self._pages[self._save.page], "pending save lost its page")
@@ -1219,6 +1220,9 @@ class CacheCore:
             )
 
     def _check_keys(self, inp: SaveBegin) -> None:
+        signature = (inp.immediate_keys, inp.deferred_keys, inp.num_tokens > 0)
+        if signature in self._key_sets:
+            return  # every step of a model passes the same keys: checked once
         deferred = self.policy.deferred_keys
         if set(inp.deferred_keys) - deferred or set(inp.immediate_keys) & deferred:
             raise BadInputError(
@@ -1240,6 +1244,7 @@ class CacheCore:
             set(inp.deferred_keys)
         ) != len(inp.deferred_keys):
             raise BadInputError(what="save keys", expected="distinct keys", got="a repeat")
+        self._key_sets[signature] = self._out_keys(inp)
 
     def _hit_keys(self, keys: Iterable[TensorName]) -> list[TensorName]:
         return [k for k in self.policy.get_hit_keys(keys) if k in self._tables]
@@ -1258,6 +1263,15 @@ class CacheCore:
         self._next_tid += 1
         return tid
 
+    def _hold(self, task: _Task, key: TensorName, slots: SlotArray) -> None:
+        """Add a chunk of `key` slots to `task`'s write."""
+        chunks = task.slots.get(key)
+        if chunks is None:
+            task.slots[key] = [slots]
+            self._writers[key] = self._writers.get(key, 0) + 1
+        else:
+            chunks.append(slots)
+
     def _new_read_id(self) -> int:
         read_id = self._next_read_id
         self._next_read_id += 1
@@ -1265,6 +1279,12 @@ class CacheCore:
 
     def _budget_cap(self) -> int:
         return self.config.gpu_staging_bytes
+
+    def _free_page(self) -> int | None:
+        for page, holders in enumerate(self._pages):
+            if not holders:
+                return page
+        return None
 
     def _barrier_waits(self) -> tuple[tuple[Tid, TaskState], ...]:
         waits = [(tid, TaskState.WRITTEN) for tid in sorted(self._unwritten_step_writes)]
@@ -1333,6 +1353,8 @@ class CacheCore:
 
     def _retire(self, task: _Task) -> None:
         del self._tasks[task.tid]
+        for key in task.slots:
+            self._writers[key] -= 1
         if task.page is not None:
             self._pages[task.page].discard(("task", task.tid))
         self._unwritten_step_writes.discard(task.tid)
@@ -1363,11 +1385,19 @@ class CacheCore:
         task.tickets = set()
 
     def _take(
-        self, key: TensorName, slots: SlotArray, owner: int | npt.NDArray[np.int32]
+        self,
+        key: TensorName,
+        slots: SlotArray,
+        owner: int | npt.NDArray[np.int32],
+        writes_in_flight: bool,
     ) -> list[Tombstone]:
-        """Claim (or mark absent) `slots` for `key`; tombstone displaced writes (SLOT-2)."""
+        """Claim (or mark absent) `slots` for `key`; tombstone displaced writes (SLOT-2).
+
+        `writes_in_flight`: whether a write registered before this save's own holds `key`.
+        """
         effects: list[Tombstone] = []
-        for tid, lost in self._tables[key].take(slots, owner):
+        table = self._tables[key]
+        for tid, lost in table.take(slots, owner, writes_in_flight=writes_in_flight):
             self._tasks[Tid(tid)].tombstones.setdefault(key, []).append(lost)
             effects.append(Tombstone(tid=Tid(tid), key=key, slots=lost))
         return effects
@@ -1397,7 +1427,7 @@ class CacheCore:
             assert task is not None
             task.chunks += 1
             for key in sv.deferred_keys:
-                task.slots.setdefault(key, []).append(chunk)
+                self._hold(task, key, chunk)
             owners[start:end] = task.tid
             used.add(task.tid)
             effects.append(
@@ -1414,50 +1444,65 @@ class CacheCore:
         ordered = np.sort(slots)
         effects: list[Preserve] = []
         for read in self._reads.values():
-            table = self._tables.get(read.key)
+            plan = read.plan
+            table = self._tables.get(plan.key)
             if table is None:
                 continue
-            hit = _member(ordered, read.slots)
-            hit &= ~read.preserved & ((read.source == _POOL) | (read.source == _AFTER_WRITE))
-            if not hit.any():
+            hit = _member(ordered, plan.slots)
+            hit &= ~plan.preserved & ((plan.source == _POOL) | (plan.source == _AFTER_WRITE))
+            if not any_true(hit):
                 continue
             positions = np.flatnonzero(hit)
-            planned = read.slots[positions]
+            planned = plan.slots[positions]
             intact = (table.owner[planned] == COMMITTED) & (
                 table.version[planned] == read.version[positions]
             )
-            if intact.any():
+            if any_true(intact):
                 keep = positions[intact]
-                read.preserved[keep] = True
+                plan.preserved[keep] = True
                 effects.append(
                     Preserve(
-                        read_id=read.read_id, key=read.key, positions=keep, slots=read.slots[keep]
+                        read_id=plan.read_id, key=plan.key, positions=keep, slots=plan.slots[keep]
                     )
                 )
-            read.violated += int((~intact).sum())
+            read.violated += len(intact) - int(np.count_nonzero(intact))
         return effects
 
     def _plan_step_reads(
-        self, step_id: StepId, sv: SaveBegin, keys: tuple[TensorName, ...]
-    ) -> dict[ReqId, list[_Read]]:
+        self,
+        step_id: StepId,
+        sv: SaveBegin,
+        keys: tuple[TensorName, ...],
+        step_tid: Tid | None,
+    ) -> tuple[dict[ReqId, list[_Read]], npt.NDArray[np.int64] | None]:
         """Plan the hits of this save's requests against the post-claim state (D4).
 
         All hit slots of the step are planned together, one gather per key, and each read gets
         its slice: a prefill with many hits costs a few numpy calls per key, not per read.
+        Returns the reads per request and their rows per `SlotSource`.
         """
         hits = list(self._start_hits.items())  # save_begin checked they are all in the layout
         if not hits:
-            return {}
+            return {}, None
         every = (
             np.concatenate([slots for _, (slots, _) in hits]) if len(hits) > 1 else hits[0][1][0]
         )
         bounds = [0, *itertools.accumulate(len(slots) for _, (slots, _) in hits)]
-        # HIT-5: a producer of this very step wins over any older tenant. Most steps write none
-        # of their hit slots, and a membership mark costs far less than sorting the step.
-        mark = self._slot_mark
-        mark[sv.slots] = True
-        any_mine = bool(mark[every].any())
-        mark[sv.slots] = False
+        owners = {key: self._owners_at(key, every) for key in keys}
+        # HIT-5: a producer of this very step wins over any older tenant. The step write just
+        # claimed all of the step's slots, so its fresh tid marks them; without one, a
+        # membership mark costs far less than sorting the step.
+        if step_tid is not None:
+            step_key = sv.immediate_keys[0]
+            claimed = owners[step_key][0] if step_key in owners else None
+            if claimed is None:
+                claimed = self._tables[step_key].owner[every]
+            any_mine = any_true(claimed == step_tid)
+        else:
+            mark = self._slot_mark
+            mark[sv.slots] = True
+            any_mine = any_true(mark[every])
+            mark[sv.slots] = False
         if any_mine:
             order = np.argsort(sv.slots, kind="stable")
             step_row = _last_row(sv.slots[order], order, every).astype(np.int32)
@@ -1469,67 +1514,96 @@ class CacheCore:
         reads: dict[ReqId, list[_Read]] = {r: [] for r, _ in hits}
         no_writer = np.zeros(len(every), dtype=np.int32)
         no_writer.setflags(write=False)  # shared by every read of every key without writers
+        hit_rows = np.zeros(len(SlotSource), dtype=np.int64)
         for key in keys:
-            table = self._tables.get(key)
-            if table is None:
-                owner = np.full(len(every), -2, dtype=np.int32)
-                version = np.zeros(len(every), dtype=np.uint32)
-            else:
-                owner = table.owner[every]
-                version = table.version[every]
+            owner, version = owners[key]
             source = np.where(owner == COMMITTED, _POOL, _ZEROS)
             in_transit = owner > 0
             if mine is not None:
                 in_transit &= ~mine
                 source[mine] = _THIS_STEP
-            has_writers = bool(in_transit.any())
+            has_writers = any_true(in_transit)
             writer = np.where(in_transit, owner, 0).astype(np.int32) if has_writers else no_writer
             if has_writers:
                 deferred = key in self.policy.deferred_keys
                 source[in_transit] = _TASK if deferred else _AFTER_WRITE
-            missing = np.add.reduceat(source == _ZEROS, bounds[:-1]) if key == HIDDEN_KEY else None
+            counts = np.bincount(source, minlength=len(SlotSource))
+            hit_rows += counts
+            missing = None
+            if key == HIDDEN_KEY and counts[_ZEROS]:
+                missing = np.add.reduceat(source == _ZEROS, bounds[:-1])
+            preserved = np.zeros(len(every), dtype=np.bool_)  # sliced per read: one allocation
             for i, (req_id, (slots, read_ids)) in enumerate(hits):
                 lo, hi = bounds[i], bounds[i + 1]
-                read = _Read(
-                    read_ids.get(key) or self._new_read_id(),
-                    req_id,
-                    key,
-                    slots,
-                    step_id,
-                    source[lo:hi],
-                    version[lo:hi],
-                    writer[lo:hi],
-                    step_row[lo:hi],
+                read_writer = writer[lo:hi]
+                reads_writers = has_writers and any_true(in_transit[lo:hi])
+                chunk_limit, error = (
+                    self._limit_task_reads(read_writer, source[lo:hi])
+                    if reads_writers
+                    else ((), None)
                 )
-                if has_writers:
-                    read.has_writers = bool(in_transit[lo:hi].any())
+                read = _Read(
+                    ReadPlan(
+                        read_id=read_ids.get(key) or self._new_read_id(),
+                        req_id=req_id,
+                        key=key,
+                        slots=slots,
+                        source=source[lo:hi],
+                        writer=read_writer,
+                        chunk_limit=chunk_limit,
+                        step_row=step_row[lo:hi],
+                        preserved=preserved[lo:hi],
+                    ),
+                    step_id,
+                    version[lo:hi],
+                    reads_writers,
+                )
+                read.error = error
                 if missing is not None and missing[i]:
                     # HIT-4: never a miss: the cache and the engine's KV state diverged.
                     read.error = (
                         f"{int(missing[i])} of {hi - lo} hidden-state rows are unknown or absent "
                         "(never written, or written by another tenant)"
                     )
-                if read.has_writers:
-                    self._limit_task_reads(read)
-                self._reads[read.read_id] = read
+                self._reads[read.plan.read_id] = read
                 reads[req_id].append(read)
-        return reads
+        return reads, hit_rows
 
-    def _limit_task_reads(self, read: _Read) -> None:
-        """Pin TASK rows to the chunks that exist now; a vanished writer is an error (HIT-4)."""
-        for tid in np.unique(read.writer[read.source == _TASK]).tolist():
+    def _owners_at(
+        self, key: TensorName, slots: SlotArray
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint32]]:
+        """Owner and version of `slots` for `key` (UNKNOWN, version 0 for a key never seen)."""
+        table = self._tables.get(key)
+        if table is None:
+            return (
+                np.full(len(slots), -2, dtype=np.int32),
+                np.zeros(len(slots), dtype=np.uint32),
+            )
+        return table.owner[slots], table.version[slots]
+
+    def _limit_task_reads(
+        self, writer: npt.NDArray[np.int32], source: npt.NDArray[np.int8]
+    ) -> tuple[tuple[tuple[Tid, int], ...], str | None]:
+        """Pin TASK rows to the chunks that exist now; a vanished writer is an error (HIT-4).
+
+        Returns the read's chunk limits, in tid order, and its error, if any.
+        """
+        limits: list[tuple[Tid, int]] = []
+        error = None
+        for tid in np.unique(writer[source == _TASK]).tolist():
             task = self._tasks.get(Tid(tid))
             if task is None:
-                read.error = f"in-flight write {tid} cannot serve its rows"
+                error = f"in-flight write {tid} cannot serve its rows"
             else:
-                read.chunk_limit[Tid(tid)] = task.chunks
+                limits.append((Tid(tid), task.chunks))
+        return tuple(limits), error
 
     def _end_step(self, step: _Step) -> None:
         del self._steps[step.step_id]
         self._pages[step.page].discard(("step", step.step_id))
         for reads in step.reads.values():
             for read in reads:
-                self._reads.pop(read.read_id, None)
+                self._reads.pop(read.plan.read_id, None)
 
 
 def _block_slots(block_ids: tuple[int, ...], block_size: int) -> SlotArray:

@@ -7,34 +7,62 @@ import numpy.typing as npt
 
 from omni_cache_core._values import SlotArray
 
-__all__ = ["ABSENT", "COMMITTED", "UNKNOWN", "OccupancyTable"]
+__all__ = ["ABSENT", "COMMITTED", "UNKNOWN", "OccupancyTable", "any_true"]
 
 #: Owner codes. A positive owner is the tid of the write that holds the slot (IN_TRANSIT).
 COMMITTED = 0
 ABSENT = -1
 UNKNOWN = -2
 
-_OWNER_DTYPE = np.int32
-_VERSION_DTYPE = np.uint32
+# An entry is one uint64: the version in the high word, the owner (as uint32) in the low word.
+# A version is the number of the table's claim that last gave the slot a new tenant (claims
+# are counted from 1; a slot never claimed has version 0), so a claim writes one constant into
+# every slot it takes, with no read first.
+_LOW: int = 0xFFFF_FFFF
+_OWNER_WORD = 0 if np.little_endian else 1
+
+
+def any_true(mask: npt.NDArray[np.bool_]) -> bool:
+    """`mask.any()` for a 1-d bool array, without the ufunc reduction's fixed cost.
+
+    `argmax` stops at the first True and costs a fraction of `any()` on the short arrays a
+    step has, which matters when a step makes dozens of such checks.
+    """
+    return len(mask) > 0 and bool(mask[mask.argmax()])
+
+
+def _max(values: npt.NDArray[np.int32]) -> int:
+    return int(values[values.argmax()]) if len(values) else UNKNOWN
 
 
 class OccupancyTable:
     """Owner and version of every slot for one cached key.
 
     `owner` encodes the presence (D3): `> 0` IN_TRANSIT under that tid, `0` COMMITTED, `-1`
-    ABSENT, `-2` UNKNOWN. `version` is bumped by every claim and every explicit absence and never
-    by a commit, so a reader that recorded a version can tell whether the slot changed tenant.
+    ABSENT, `-2` UNKNOWN. `version` is the number of the table's last claim (or explicit absence,
+    or forgotten write) that changed the slot, never changed by a commit, so a reader that recorded
+    a version can tell whether the slot changed tenant. `owner` and `version` are views of the one
+    8-byte entry per slot.
     """
 
-    __slots__ = ("_entries", "owner", "version")
+    __slots__ = ("_entries", "claims", "owner", "version")
 
     def __init__(self, num_slots: int) -> None:
-        # One 8-byte entry per slot, owner then version, so the two live in the same cache line:
-        # a claim reads and writes both, and on a large table scattered slots miss the cache.
-        self._entries = np.zeros((num_slots, 2), dtype=_VERSION_DTYPE)
-        self.owner: npt.NDArray[np.int32] = self._entries[:, 0].view(_OWNER_DTYPE)
-        self.version: npt.NDArray[np.uint32] = self._entries[:, 1]
-        self.owner[:] = UNKNOWN
+        # One entry per slot holds both fields, so they share a cache line: on a large table
+        # scattered slots miss the cache, and a claim needs both.
+        self._attach(np.full(num_slots, UNKNOWN & _LOW, dtype=np.uint64), 0)
+
+    def _attach(self, entries: npt.NDArray[np.uint64], claims: int) -> None:
+        self._entries = entries
+        #: Claims made so far; the next one stamps its slots with version ``claims + 1``.
+        self.claims = claims
+        words = entries.view(np.uint32)
+        self.owner: npt.NDArray[np.int32] = words[_OWNER_WORD::2].view(np.int32)
+        self.version: npt.NDArray[np.uint32] = words[1 - _OWNER_WORD :: 2]
+
+    def __reduce__(self) -> tuple[object, tuple[npt.NDArray[np.uint64], int]]:
+        # Copies (deepcopy, pickle) must keep `owner` and `version` views of the copied entries.
+        return (_table_of, (self._entries, self.claims))
 
     @property
     def metadata_bytes(self) -> int:
@@ -42,38 +70,47 @@ class OccupancyTable:
         return int(self._entries.nbytes)
 
     def take(
-        self, slots: SlotArray, new_owner: int | npt.NDArray[np.int32]
+        self,
+        slots: SlotArray,
+        new_owner: int | npt.NDArray[np.int32],
+        *,
+        writes_in_flight: bool = True,
     ) -> list[tuple[int, SlotArray]]:
-        """Give `slots` to `new_owner` (a tid, or one per slot, or ABSENT); bump versions.
+        """Give `slots` to `new_owner` (a tid, or one per slot, or ABSENT) with a new version.
 
         A slot listed twice goes to the owner of its last occurrence (TASK-5: the last row wins).
+        `writes_in_flight=False`: the caller knows no write owns any slot of this table, so no
+        earlier owner is looked for.
 
         Returns the displaced in-flight owners with the slots each lost (SLOT-2), in tid order:
         earlier owners, and owners given a slot that a later row of the same claim took.
         """
-        previous = self.owner[slots]
-        self.version[slots] += _VERSION_DTYPE(1)
-        if isinstance(new_owner, np.ndarray):
-            # Fancy assignment leaves a repeated index's winner unspecified, so give each slot
-            # its last row's owner explicitly; then every other owner of it has lost it.
-            order = np.argsort(slots, kind="stable")
-            ordered = slots[order]
-            last = np.ones(len(slots), dtype=np.bool_)
-            last[:-1] = ordered[1:] != ordered[:-1]
-            self.owner[ordered[last]] = new_owner[order[last]]
-            final = self.owner[slots]
-            beaten = (new_owner > 0) & (new_owner != final)
-            displaced = (previous > 0) & (previous != final)
-            losers = np.concatenate([previous[displaced], new_owner[beaten]])
-            lost_slots = np.concatenate([slots[displaced], slots[beaten]])
-        else:
-            self.owner[slots] = new_owner
-            if not len(previous) or previous.max() <= 0:
-                return []  # the usual claim: nothing was in flight there
+        previous = self.owner[slots] if writes_in_flight else None
+        if previous is not None and _max(previous) <= 0:
+            previous = None  # the usual claim: nothing was in flight there
+        high = self._next_version()
+        if not isinstance(new_owner, np.ndarray):
+            self._entries[slots] = high | (new_owner & _LOW)
+            if previous is None:
+                return []
             displaced = (previous > 0) & (previous != new_owner)
-            losers = previous[displaced]
-            lost_slots = slots[displaced]
-        return _by_loser(losers, lost_slots)
+            return _by_loser(previous[displaced], slots[displaced])
+        entries = new_owner.astype(np.uint32).astype(np.uint64)
+        entries |= high
+        # Fancy assignment leaves a repeated index's winner unspecified, so give each slot its
+        # last row's entry explicitly; then every other owner of it has lost it.
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        last = np.ones(len(slots), dtype=np.bool_)
+        last[:-1] = ordered[1:] != ordered[:-1]
+        self._entries[ordered[last]] = entries[order[last]]
+        final = self.owner[slots]
+        beaten = (new_owner > 0) & (new_owner != final)
+        if previous is None:
+            return _by_loser(new_owner[beaten], slots[beaten])
+        displaced = (previous > 0) & (previous != final)
+        losers = np.concatenate([previous[displaced], new_owner[beaten]])
+        return _by_loser(losers, np.concatenate([slots[displaced], slots[beaten]]))
 
     def commit(self, tid: int, slots: SlotArray, *, intact: bool = False) -> None:
         """Mark the slots `tid` still owns COMMITTED (SLOT-3); versions are unchanged.
@@ -90,8 +127,22 @@ class OccupancyTable:
     def forget(self, tid: int, slots: SlotArray) -> None:
         """A failed write's slots become ABSENT with a new version: their rows are lost."""
         still_owned = slots[self.owner[slots] == tid]
-        self.owner[still_owned] = ABSENT
-        self.version[still_owned] += _VERSION_DTYPE(1)
+        self._entries[still_owned] = self._next_version() | (ABSENT & _LOW)
+
+    def _next_version(self) -> int:
+        """Count a claim; return its version, shifted into an entry's high word.
+
+        A uint32 version wraps after 2**32 claims of the table; a reader that planned on a slot
+        would need the slot reclaimed exactly that many claims later to miss the change.
+        """
+        self.claims += 1
+        return (self.claims & _LOW) << 32
+
+
+def _table_of(entries: npt.NDArray[np.uint64], claims: int) -> OccupancyTable:
+    table = OccupancyTable.__new__(OccupancyTable)
+    table._attach(entries, claims)
+    return table
 
 
 def _by_loser(losers: npt.NDArray[np.int32], lost_slots: SlotArray) -> list[tuple[int, SlotArray]]:

@@ -11,7 +11,9 @@ Default geometry (tests/core_helpers.py): 8 blocks of 4 slots (block ``b`` is sl
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +43,7 @@ from omni_cache_core import (
     WriteFailedError,
 )
 from omni_cache_core._core import _MAX_TID, _TASK_MOVES, CacheCore
+from omni_cache_core._occupancy import ABSENT, OccupancyTable
 from omni_cache_core._values import (
     AwaitPage,
     AwaitTasks,
@@ -488,8 +491,9 @@ def test_slot_1_a_slot_goes_unknown_in_transit_committed_absent_per_key(
     for key in (HIDDEN_KEY, MM):
         assert core.presence(key, 0) == (0, 1)
     save(core, [("a", blocks(1))])
-    assert core.presence(HIDDEN_KEY, 4) == (0, 1)
-    assert core.presence(MM, 4) == (-1, 1), "a key the step did not write is ABSENT"
+    # A version numbers the table's claims (D3): the second claim of each key stamps 2.
+    assert core.presence(HIDDEN_KEY, 4) == (0, 2)
+    assert core.presence(MM, 4) == (-1, 2), "a key the step did not write is ABSENT"
     assert core.presence(MM, 0) == (0, 1), "keys are independent of each other"
 
 
@@ -521,14 +525,14 @@ def test_slot_2_a_slot_claimed_twice_in_one_step_goes_to_the_last_row(
     tx, ty = _deferred_tid(published.effects, "x"), _deferred_tid(published.effects, "y")
     tombs = [(t.tid, t.key, t.slots.tolist()) for t in effects_of(published.effects, Tombstone)]
     assert tombs == [(tx, DEF, [0])], "only the earlier row's write loses the slot"
-    version = 1 + y_owned_it
+    version = 1 + y_owned_it  # the step's claim is the table's first or second (D3)
     assert core.presence(DEF, 0) == (ty, version)
-    assert core.presence(DEF, 1) == (tx, 1)
+    assert core.presence(DEF, 1) == (tx, version)
     start(core, finished("y"))
     land(core, ty)
     start(core, finished("x"))
     land(core, tx)
-    assert [core.presence(DEF, s) for s in (0, 1)] == [(0, version), (0, 1)]
+    assert [core.presence(DEF, s) for s in (0, 1)] == [(0, version), (0, version)]
 
 
 def test_slot_3_a_landing_write_commits_only_the_slots_it_still_owns(make_core: MakeCore) -> None:
@@ -603,6 +607,38 @@ def test_slot_6_occupancy_costs_eight_bytes_per_slot_and_key(make_core: MakeCore
     assert core.occupancy_metadata_bytes() == 8 * num_slots * 3
     for table in core._tables.values():
         assert (table.owner.dtype, table.version.dtype) == (np.int32, np.uint32)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_d3_a_copied_table_keeps_owner_and_version_on_its_own_entries(how: str) -> None:
+    """A copy's owner and version stay views of the copy's entries, not of the original (D3)."""
+    table = OccupancyTable(8)
+    table.take(np.array([1, 2]), 5)
+    clone = copy.deepcopy(table) if how == "deepcopy" else pickle.loads(pickle.dumps(table))
+    clone.commit(5, np.array([1, 2]))
+    clone.take(np.array([2]), ABSENT)
+    assert clone.owner.tolist()[:4] == [-2, 0, -1, -2]
+    assert clone.version.tolist()[:4] == [0, 1, 2, 0]
+    assert clone.claims == 2
+    assert table.owner.tolist()[:4] == [-2, 5, 5, -2], "the original is untouched"
+    assert (table.claims, table.version.tolist()[:4]) == (1, [0, 1, 1, 0])
+
+
+def test_d3_a_claim_of_a_key_no_write_holds_skips_the_owner_lookup_only() -> None:
+    """Told that nothing is in flight, a claim still stamps and owns every slot (D3)."""
+    looked, skipped = OccupancyTable(8), OccupancyTable(8)
+    for table, in_flight in ((looked, True), (skipped, False)):
+        assert table.take(np.array([0, 3, 3]), 7, writes_in_flight=in_flight) == []
+        assert (
+            table.take(
+                np.array([4, 5]), np.array([2, 3], dtype=np.int32), writes_in_flight=in_flight
+            )
+            == []
+        )
+    assert looked.owner.tolist() == skipped.owner.tolist() == [7, -2, -2, 7, 2, 3, -2, -2]
+    assert looked.version.tolist() == skipped.version.tolist() == [1, 0, 0, 1, 2, 2, 0, 0]
+    lost = looked.take(np.array([3, 4]), 9)
+    assert [(tid, slots.tolist()) for tid, slots in lost] == [(2, [4]), (7, [3])]
 
 
 # =============================================================================================
@@ -1564,7 +1600,7 @@ def test_fail_5_a_policy_may_be_replaced_only_before_the_first_step(make_core: M
 
 
 def test_d3_versions_move_on_claims_and_absence_never_on_commits(make_core: MakeCore) -> None:
-    """A slot's version is bumped by each claim and each absence, never by a commit (D3)."""
+    """A slot's version changes with each claim and each absence, never with a commit (D3)."""
     core = make_core()
     start(core, started("a"))
     versions = []
@@ -1685,6 +1721,15 @@ def _corrupt_terminal_task(core: CacheCore) -> None:
     core._tasks[Tid(1)].state = TaskState.WRITTEN
 
 
+def _corrupt_writer_count(core: CacheCore) -> None:
+    core._writers[HIDDEN_KEY] = 0  # a claim would then skip looking for in-flight owners
+
+
+def _corrupt_version(core: CacheCore) -> None:
+    table = core._tables[HIDDEN_KEY]
+    table.version[3] = table.claims + 1
+
+
 CORRUPTIONS = {
     "budget": _corrupt_budget,
     "page-holder": _corrupt_page_holder,
@@ -1692,6 +1737,8 @@ CORRUPTIONS = {
     "open-write": _corrupt_open_write,
     "retired-waiter": _corrupt_retired_waiter,
     "terminal-task": _corrupt_terminal_task,
+    "writer-count": _corrupt_writer_count,
+    "version": _corrupt_version,
 }
 
 
