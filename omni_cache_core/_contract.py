@@ -66,6 +66,10 @@ def without_hidden(keys: Iterable[str]) -> set[TensorName]:
 class _CodeRepr(enum.Enum):
     """Enum whose repr pastes back as code (hypothesis prints failing programs with it)."""
 
+    # Members are singletons compared by identity; Enum's own hash is a Python-level call, and
+    # the core looks states up in dicts on every report.
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}.{self.name}"
 

@@ -357,6 +357,8 @@ class CacheCore:
         self._tables: dict[TensorName, OccupancyTable] = {}
         # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
         self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
+        #: All of those hits' slots in one array, with each hit's bounds in it (derived).
+        self._start_hit_slots: tuple[SlotArray, list[int]] = (_EMPTY_SLOTS, [0])
         # Live requests whose hit was registered by a start that no save followed (D10).
         self._lost_hits: set[ReqId] = set()
         self._reads: dict[int, _Read] = {}  # planned reads of saved, not yet ended steps
@@ -515,6 +517,7 @@ class CacheCore:
             if request is not None:
                 escalate.extend(self._escalate_request(request))
         self._start_hits = {}
+        self._start_hit_slots = (_EMPTY_SLOTS, [0])
         effects: list[Effect] = []
         hits: list[tuple[ReqId, tuple[int, ...]]] = []
         for req_id, hit_end, block_ids in starting:
@@ -536,19 +539,21 @@ class CacheCore:
         hits costs a few numpy calls per key, not per hit.
         """
         block_size = self.config.block_size
-        every = _block_slots(tuple(itertools.chain.from_iterable(b for _, b in hits)), block_size)
+        every = _block_slots(list(itertools.chain.from_iterable(b for _, b in hits)), block_size)
         bounds = [0, *itertools.accumulate(len(b) * block_size for _, b in hits)]
         hit_keys = self._hit_keys(self._tables)
-        read_ids = [{key: self._new_read_id() for key in hit_keys} for _ in hits]
-        committed = {key: self._tables[key].owner[every] == COMMITTED for key in hit_keys}
-        # The usual hit: every row is in the pool.
-        all_committed = {key: bool(is_committed.all()) for key, is_committed in committed.items()}
+        first_id = self._next_read_id
+        self._next_read_id += len(hits) * len(hit_keys)
+        # The usual hit: every row is in the pool (owner COMMITTED, code 0).
+        pending = {key: self._tables[key].owner[every] != COMMITTED for key in hit_keys}
+        all_committed = {key: not any_true(mask) for key, mask in pending.items()}
         effects: list[PrefetchRead] = []
         ranges: dict[int, npt.NDArray[np.int64]] = {}  # hits are mostly of one length
         for i, (req_id, _) in enumerate(hits):
             lo, hi = bounds[i], bounds[i + 1]
             hit_slots = every[lo:hi]
-            self._start_hits[req_id] = (hit_slots, read_ids[i])
+            read_ids = {key: first_id + i * len(hit_keys) + k for k, key in enumerate(hit_keys)}
+            self._start_hits[req_id] = (hit_slots, read_ids)
             for key in hit_keys:
                 if all_committed[key]:
                     positions = ranges.get(hi - lo)
@@ -556,19 +561,20 @@ class CacheCore:
                         positions = ranges[hi - lo] = np.arange(hi - lo)
                     slots = hit_slots
                 else:
-                    positions = np.flatnonzero(committed[key][lo:hi])
+                    positions = np.flatnonzero(~pending[key][lo:hi])
                     if not len(positions):
                         continue
                     slots = hit_slots[positions]
                 effects.append(
                     PrefetchRead(
-                        read_id=read_ids[i][key],
+                        read_id=read_ids[key],
                         req_id=req_id,
                         key=key,
                         positions=positions,
                         slots=slots,
                     )
                 )
+        self._start_hit_slots = (every, bounds)
         self.counters.hit_requests += len(hits)
         return effects
 
@@ -827,6 +833,7 @@ class CacheCore:
             step_id, page, sv.req_ids, save.req_set, sv.row_bounds, keys, step_tid, reads, hit_rows
         )
         self._start_hits = {}
+        self._start_hit_slots = (_EMPTY_SLOTS, [0])
         if step_tid is not None:
             effects.append(
                 StepWrite(tid=step_tid, step_id=step_id, page=page, keys=sv.immediate_keys)
@@ -1484,10 +1491,7 @@ class CacheCore:
         hits = list(self._start_hits.items())  # save_begin checked they are all in the layout
         if not hits:
             return {}, None
-        every = (
-            np.concatenate([slots for _, (slots, _) in hits]) if len(hits) > 1 else hits[0][1][0]
-        )
-        bounds = [0, *itertools.accumulate(len(slots) for _, (slots, _) in hits)]
+        every, bounds = self._start_hit_slots
         owners = {key: self._owners_at(key, every) for key in keys}
         # HIT-5: a producer of this very step wins over any older tenant. The step write just
         # claimed all of the step's slots, so its fresh tid marks them; without one, a
@@ -1606,7 +1610,7 @@ class CacheCore:
                 self._reads.pop(read.plan.read_id, None)
 
 
-def _block_slots(block_ids: tuple[int, ...], block_size: int) -> SlotArray:
+def _block_slots(block_ids: list[int], block_size: int) -> SlotArray:
     blocks = np.asarray(block_ids, dtype=np.int64)
     return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
 
