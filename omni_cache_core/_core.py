@@ -516,8 +516,7 @@ class CacheCore:
             request = self._live.pop(req_id, None)
             if request is not None:
                 escalate.extend(self._escalate_request(request))
-        self._start_hits = {}
-        self._start_hit_slots = (_EMPTY_SLOTS, [0])
+        self._clear_start_hits()
         effects: list[Effect] = []
         hits: list[tuple[ReqId, tuple[int, ...]]] = []
         for req_id, hit_end, block_ids in starting:
@@ -832,8 +831,7 @@ class CacheCore:
         self._steps[step_id] = _Step(
             step_id, page, sv.req_ids, save.req_set, sv.row_bounds, keys, step_tid, reads, hit_rows
         )
-        self._start_hits = {}
-        self._start_hit_slots = (_EMPTY_SLOTS, [0])
+        self._clear_start_hits()
         if step_tid is not None:
             effects.append(
                 StepWrite(tid=step_tid, step_id=step_id, page=page, keys=sv.immediate_keys)
@@ -1270,6 +1268,10 @@ class CacheCore:
         self._next_tid += 1
         return tid
 
+    def _clear_start_hits(self) -> None:
+        self._start_hits = {}
+        self._start_hit_slots = (_EMPTY_SLOTS, [0])
+
     def _hold(self, task: _Task, key: TensorName, slots: SlotArray) -> None:
         """Add a chunk of `key` slots to `task`'s write."""
         chunks = task.slots.get(key)
@@ -1497,11 +1499,9 @@ class CacheCore:
         # claimed all of the step's slots, so its fresh tid marks them; without one, a
         # membership mark costs far less than sorting the step.
         if step_tid is not None:
-            step_key = sv.immediate_keys[0]
-            claimed = owners[step_key][0] if step_key in owners else None
-            if claimed is None:
-                claimed = self._tables[step_key].owner[every]
-            any_mine = any_true(claimed == step_tid)
+            # `keys` holds every key the save passed (`_out_keys`), so the step key's owners
+            # are gathered already.
+            any_mine = any_true(owners[sv.immediate_keys[0]][0] == step_tid)
         else:
             mark = self._slot_mark
             mark[sv.slots] = True
