@@ -1,7 +1,7 @@
 /*
  * omni_cache.pml: the omni-cache write and read protocol as a SPIN model.
  *
- * Normative behaviour: /work/shared/SPEC.md. Rule ids such as STEP-1 or
+ * Normative behaviour: spec/SPEC.md. Rule ids such as STEP-1 or
  * HIT-6 are written STEP_1, HIT_6 here (Promela names cannot hold a dash).
  * Design choices modelled, from spec/DESIGN.md: D1 one JOIN_NEXT_STEP
  * (immediate) write per step; D2 one open JOIN_ON_FINISH (deferred) write
