@@ -302,6 +302,14 @@ class PrefixCacheEventKind(_CodeRepr):
     FINISHED = "finished"
     #: The request was aborted; treated exactly like FINISHED (TASK-4).
     ABORTED = "aborted"
+    #: The engine took the request's KV blocks back; it will come back RESUMED, or end. Its
+    #: open writes are escalated as at a finish, and its unconsumed steps can still be
+    #: materialized (LIFE-3).
+    PREEMPTED = "preempted"
+    #: A preempted request runs again, with a fresh block list and its new prefix hit
+    #: (``hit_end`` may be 0, or beyond the prompt). Only rows not delivered yet are served
+    #: again (LIFE-4, DLV-3).
+    RESUMED = "resumed"
 
 
 def _all_plain_ints(items: tuple[object, ...]) -> bool:
@@ -380,11 +388,12 @@ class PrefixCacheRequestEvent:
 
     Attributes:
         req_id: The engine's request id.
-        kind: Started, finished or aborted.
-        hit_end: Tokens of the prompt already in the KV prefix cache when the request starts
-            (0: no hit). The core checks it is block aligned (HIT-1).
-        block_ids: The request's KV block ids, in order. Any sequence of ints is accepted and
-            stored as a tuple.
+        kind: Started, finished, aborted, preempted or resumed.
+        hit_end: Tokens already in the KV prefix cache when the request starts or resumes
+            (0: no hit). The core checks it is block aligned (HIT-1). Read for STARTED and
+            RESUMED only.
+        block_ids: The request's KV block ids, in order (after a resume: its new block list).
+            Any sequence of ints is accepted and stored as a tuple.
         scheduled_tokens: Tokens scheduled for the request in this step.
 
     Raises:

@@ -56,11 +56,14 @@ from omni_cache_core._contract import (
     Tid,
     WriteSchedule,
 )
+from omni_cache_core._delivery import Admissions
 from omni_cache_core._errors import (
     BadInputError,
+    DeliveryOrderError,
     HitUnreadableError,
     IllegalTransitionError,
     InvariantError,
+    LifecycleError,
     OversizeStepError,
     PageTimeoutError,
     ShutDownError,
@@ -216,9 +219,10 @@ class _Ticket:
 
 
 class _Request:
-    __slots__ = ("open_tid", "tids")
+    __slots__ = ("entry", "open_tid", "tids")
 
-    def __init__(self) -> None:
+    def __init__(self, entry: int) -> None:
+        self.entry = entry  # the admission's entry in `Admissions` (LIFE-1)
         self.open_tid: Tid | None = None
         self.tids: list[Tid] = []  # unfinished deferred writes, oldest first
 
@@ -267,8 +271,11 @@ class _Step:
     __slots__ = (
         "consume_deadline_ns",
         "consuming",
+        "entries",
+        "hi",
         "hit_rows",
         "keys",
+        "lo",
         "page",
         "reads",
         "req_ids",
@@ -289,6 +296,9 @@ class _Step:
         tid: Tid | None,
         reads: dict[ReqId, list[_Read]],
         hit_rows: npt.NDArray[np.int64] | None,
+        entries: npt.NDArray[np.int64],
+        lo: npt.NDArray[np.int64],
+        hi: npt.NDArray[np.int64],
     ) -> None:
         self.step_id = step_id
         self.page = page
@@ -300,16 +310,34 @@ class _Step:
         self.reads = reads
         #: Rows of all reads per `SlotSource`, counted when a consume takes them all.
         self.hit_rows = hit_rows
+        #: Per request in layout order: its admission entry and the positions ``[lo, hi)``
+        #: the step carries for it (its hit rows, when it registered a hit here, then its own
+        #: rows: DLV-1).
+        self.entries = entries
+        self.lo = lo
+        self.hi = hi
         self.consuming = False
         self.consume_deadline_ns: int | None = None
 
 
 class _PendingSave:
-    __slots__ = ("charged", "deadline_ns", "flushing", "inp", "page", "phase", "req_set")
+    __slots__ = (
+        "charged",
+        "deadline_ns",
+        "entries",
+        "flushing",
+        "inp",
+        "page",
+        "phase",
+        "req_set",
+    )
 
-    def __init__(self, inp: SaveBegin, req_set: frozenset[ReqId]) -> None:
+    def __init__(
+        self, inp: SaveBegin, req_set: frozenset[ReqId], entries: npt.NDArray[np.int64]
+    ) -> None:
         self.inp = inp
         self.req_set = req_set
+        self.entries = entries
         self.phase = _BARRIER
         self.deadline_ns: int | None = None
         self.charged = 0
@@ -350,15 +378,23 @@ class CacheCore:
         self._tickets: dict[int, _Ticket] = {}
         self._next_ticket = 1
         self._budget_used = 0
+        #: Live requests: running or preempted (LIFE-1).
         self._live: dict[ReqId, _Request] = {}
-        #: The last layout found distinct and live, kept until a request ends (a cache only:
-        #: not part of the state).
-        self._known_layout: tuple[tuple[ReqId, ...], frozenset[ReqId]] | None = None
+        self._preempted: set[ReqId] = set()
+        self._admissions = Admissions()
+        #: The last layout found distinct and running, with its admission entries, kept until a
+        #: request ends or is preempted (a cache only: not part of the state).
+        self._known_layout: (
+            tuple[tuple[ReqId, ...], frozenset[ReqId], npt.NDArray[np.int64]] | None
+        ) = None
         self._tables: dict[TensorName, OccupancyTable] = {}
         # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
         self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
         #: All of those hits' slots in one array, with each hit's bounds in it (derived).
         self._start_hit_slots: tuple[SlotArray, list[int]] = (_EMPTY_SLOTS, [0])
+        #: First hit position of those hits that do not start at 0 (a resume reads from the
+        #: block of its delivery cursor on: DLV-3).
+        self._start_hit_lo: dict[ReqId, int] = {}
         # Live requests whose hit was registered by a start that no save followed (D10).
         self._lost_hits: set[ReqId] = set()
         self._reads: dict[int, _Read] = {}  # planned reads of saved, not yet ended steps
@@ -469,12 +505,16 @@ class CacheCore:
         self._key_sets.clear()
 
     def start_step(self, inp: StartStep) -> tuple[Effect, ...]:
-        """Apply a step's lifecycle records: finishes first (HIT-2), then starts and hits.
+        """Apply a step's lifecycle records: ends and preemptions first, then starts (HIT-2).
 
-        Returns an `EscalateTasks` for finished requests' writes (TASK-4) and one
-        `PrefetchRead` per hit read with committed rows (HIT-7).
+        FINISHED, ABORTED and PREEMPTED records are applied in the order given, then STARTED
+        and RESUMED ones (LIFE-2). Returns an `EscalateTasks` for the writes of requests that
+        ended or were preempted (TASK-4, LIFE-3) and one `PrefetchRead` per hit read with
+        committed rows (HIT-7). A resume plans its hit from its delivery cursor on (DLV-3).
 
         Raises:
+            LifecycleError: A record is illegal in its request's state (LIFE-2), for example
+                RESUMED of a request that is not preempted; the cache is unchanged.
             BadInputError: An unaligned hit, a hit without enough blocks, a block id out of range,
                 or a request started twice in one step (HIT-1, FAIL-5); the cache is unchanged.
         """
@@ -485,51 +525,106 @@ class CacheCore:
             )
         step = inp.step
         block_size = self.config.block_size
-        finishing: list[ReqId] = []
-        starting: list[tuple[ReqId, int, tuple[int, ...]]] = []
+        ending: list[tuple[ReqId, PrefixCacheEventKind]] = []
+        starting: list[tuple[ReqId, PrefixCacheEventKind, int, tuple[int, ...]]] = []
         seen: set[str] = set()
         for event in step.events:
             req_id = cast(ReqId, event.req_id)
-            if event.kind is PrefixCacheEventKind.STARTED:
+            kind = event.kind
+            if kind is PrefixCacheEventKind.STARTED or kind is PrefixCacheEventKind.RESUMED:
                 if req_id in seen:
                     raise BadInputError(
                         what=f"request {req_id!r}",
-                        expected="at most one STARTED record per step",
+                        expected="at most one STARTED or RESUMED record per step",
                         got="two",
                     )
                 seen.add(req_id)
                 if event.hit_end:
                     self._check_hit(req_id, event.hit_end, event.block_ids)
-                starting.append((req_id, event.hit_end, event.block_ids))
+                starting.append((req_id, kind, event.hit_end, event.block_ids))
             else:
-                finishing.append(req_id)
+                ending.append((req_id, kind))
+        if (
+            ending
+            or self._preempted
+            or any(kind is PrefixCacheEventKind.RESUMED for _, kind, _, _ in starting)
+        ):
+            self._check_lifecycle(ending, starting)
         # From here on nothing raises: the step is applied whole.
         self._started = True
         escalate: list[Tid] = []
+        admissions = self._admissions
         # D10: hits of a start that no save followed can never be served; their requests must
-        # end before they are saved again.
+        # end (or be preempted and resumed) before they are saved again.
         self._lost_hits |= self._start_hits.keys()
-        if finishing:
+        if ending:
             self._known_layout = None
-        for req_id in finishing:
+        for req_id, kind in ending:
+            request = self._live.get(req_id)
+            if request is None:
+                continue  # the end of a request the cache never saw: nothing to do
             self._lost_hits.discard(req_id)
-            request = self._live.pop(req_id, None)
-            if request is not None:
-                escalate.extend(self._escalate_request(request))
+            escalate.extend(self._escalate_request(request))
+            if kind is PrefixCacheEventKind.PREEMPTED:
+                self._preempted.add(req_id)  # LIFE-3: live for delivery, not for saves
+                admissions.preempt(request.entry)
+            else:
+                del self._live[req_id]
+                self._preempted.discard(req_id)
+                admissions.end(request.entry)
         self._clear_start_hits()
         effects: list[Effect] = []
         hits: list[tuple[ReqId, tuple[int, ...]]] = []
-        for req_id, hit_end, block_ids in starting:
-            if req_id in self._live:
+        for req_id, kind, hit_end, block_ids in starting:
+            if kind is PrefixCacheEventKind.RESUMED:
+                self._preempted.discard(req_id)
+                cursor = admissions.resume(self._live[req_id].entry, hit_end)
+                # DLV-3: only positions not delivered yet are read, from the cursor's block on.
+                first = cursor // block_size * block_size
+            elif req_id in self._live:
                 continue  # HIT-1: a continuation of a live request opens no hit.
-            self._live[req_id] = _Request()
-            if hit_end:
-                hits.append((req_id, block_ids[: hit_end // block_size]))
+            else:
+                self._live[req_id] = _Request(admissions.admit(hit_end))
+                first = 0
+            if hit_end > first:
+                hits.append((req_id, block_ids[first // block_size : hit_end // block_size]))
+                if first:
+                    self._start_hit_lo[req_id] = first
         if hits:
             effects.extend(self._register_hits(hits))
         if escalate:
             effects.insert(0, EscalateTasks(tids=tuple(escalate)))
         return tuple(effects)
+
+    def _check_lifecycle(
+        self,
+        ending: list[tuple[ReqId, PrefixCacheEventKind]],
+        starting: list[tuple[ReqId, PrefixCacheEventKind, int, tuple[int, ...]]],
+    ) -> None:
+        """LIFE-2: check the step's records against each request's state, changing nothing."""
+        after: dict[ReqId, str] = {}  # the state each request reaches within this step
+
+        def state(req_id: ReqId) -> str:
+            if req_id in after:
+                return after[req_id]
+            if req_id in self._preempted:
+                return "preempted"
+            return "running" if req_id in self._live else "not live"
+
+        for req_id, kind in ending:
+            if kind is PrefixCacheEventKind.PREEMPTED:
+                now = state(req_id)
+                if now != "running":
+                    raise LifecycleError(req_id=req_id, event=kind.value, state=now)
+                after[req_id] = "preempted"
+            else:
+                after[req_id] = "not live"  # an unknown request's end is ignored
+        for req_id, kind, _, _ in starting:
+            now = state(req_id)
+            if kind is PrefixCacheEventKind.RESUMED and now != "preempted":
+                raise LifecycleError(req_id=req_id, event=kind.value, state=now)
+            if kind is PrefixCacheEventKind.STARTED and now == "preempted":
+                raise LifecycleError(req_id=req_id, event=kind.value, state=now)
 
     def _register_hits(self, hits: list[tuple[ReqId, tuple[int, ...]]]) -> list[PrefetchRead]:
         """Open one read per hit and cached key; ask to prefetch its committed rows (HIT-7).
@@ -622,7 +717,8 @@ class CacheCore:
             )
         known = self._known_layout
         if known is not None and req_ids == known[0]:
-            unique = known[1]  # decode steps repeat the layout: checked already, still live
+            # Decode steps repeat the layout: checked already, still running.
+            unique, entries = known[1], known[2]
         else:
             unique = frozenset(req_ids)
             if len(unique) != len(req_ids):
@@ -636,7 +732,18 @@ class CacheCore:
                     expected="requests STARTED and not finished (D9)",
                     got=f"unknown requests {missing}",
                 )
-            self._known_layout = (req_ids, unique)
+            if self._preempted and not self._preempted.isdisjoint(unique):
+                preempted = sorted(self._preempted & unique)[:4]
+                raise BadInputError(
+                    what="write layout requests",
+                    expected="running requests: a preempted request has no blocks (LIFE-3, D9)",
+                    got=f"preempted requests {preempted}",
+                )
+            live = self._live
+            entries = np.fromiter(
+                (live[r].entry for r in req_ids), dtype=np.int64, count=len(req_ids)
+            )
+            self._known_layout = (req_ids, unique, entries)
         if self._lost_hits and not self._lost_hits.isdisjoint(unique):
             lost = sorted(self._lost_hits & unique)[:4]
             raise BadInputError(
@@ -646,7 +753,7 @@ class CacheCore:
                 got=f"requests that lost their hit: {lost}",
             )
         if self._start_hits and not self._start_hits.keys() <= unique:
-            # SPEC section 12: a hit that cannot be served must raise, never vanish. A request
+            # SPEC section 13: a hit that cannot be served must raise, never vanish. A request
             # that starts with a hit is scheduled in that very step by every engine we know.
             dropped = sorted(self._start_hits.keys() - unique)[:4]
             raise BadInputError(
@@ -669,7 +776,7 @@ class CacheCore:
             raise InvariantError(
                 f"write task ids exhausted (2**31 - 1): a save needing {needed} more cannot start"
             )
-        self._save = _PendingSave(inp, unique)
+        self._save = _PendingSave(inp, unique, entries)
 
     def save_proceed(
         self, inp: SaveProceed
@@ -828,8 +935,29 @@ class CacheCore:
 
         keys = self._key_sets[(sv.immediate_keys, sv.deferred_keys, n > 0)]
         reads, hit_rows = self._plan_step_reads(step_id, sv, keys, step_tid)
+        # DLV-1: each request's rows are the positions from its count on; a request that
+        # registered a hit here carries the hit rows before them.
+        bounds = sv.row_bounds
+        own = self._admissions.on_save(save.entries, bounds[1:] - bounds[:-1])
+        hi = own + (bounds[1:] - bounds[:-1])
+        lo = own
+        if self._start_hits:
+            lo = own.copy()
+            for req_id in self._start_hits:
+                lo[sv.req_ids.index(req_id)] = self._start_hit_lo.get(req_id, 0)
         self._steps[step_id] = _Step(
-            step_id, page, sv.req_ids, save.req_set, sv.row_bounds, keys, step_tid, reads, hit_rows
+            step_id,
+            page,
+            sv.req_ids,
+            save.req_set,
+            sv.row_bounds,
+            keys,
+            step_tid,
+            reads,
+            hit_rows,
+            save.entries,
+            lo,
+            hi,
         )
         self._clear_start_hits()
         if step_tid is not None:
@@ -849,6 +977,8 @@ class CacheCore:
             UnknownStepError: The id was never issued; the cache is unchanged (STEP-2).
             StepAlreadyConsumedError: The id was consumed; the cache is unchanged (STEP-2).
             BadInputError: A request outside the step's layout (STEP-4); the step is consumed.
+            DeliveryOrderError: A request's rows would come after a gap an earlier unconsumed
+                step carries (DLV-5); nothing changes and the step stays open.
             HitUnreadableError: A hit cannot be served (HIT-4, HIT-6); the step is consumed.
             WaitTimeoutError: A write a hit reads did not land in time; the step is consumed.
         """
@@ -874,6 +1004,15 @@ class CacheCore:
                 got=f"requests outside the save snapshot: {outside}",
             )
         whole = requested == step.req_ids
+        if whole:
+            entries, lo, hi = step.entries, step.lo, step.hi
+        else:
+            index = {r: i for i, r in enumerate(step.req_ids)}
+            at = np.fromiter((index[r] for r in requested), dtype=np.int64, count=len(requested))
+            entries, lo, hi = step.entries[at], step.lo[at], step.hi[at]
+        cursor = self._admissions.cursor[entries]
+        if any_true(lo > cursor):
+            self._check_delivery_order(step, requested, entries, lo, cursor)
         if not step.reads:
             reads = []
         elif whole:
@@ -917,6 +1056,8 @@ class CacheCore:
             )
         step.consuming = True
         step.consume_deadline_ns = None
+        start, end = self._admissions.deliver(entries, lo, hi)
+        skip = start - lo
         self.counters.steps_consumed += 1
         if whole and step.hit_rows is not None:
             self.counters.hit_rows += step.hit_rows
@@ -929,7 +1070,38 @@ class CacheCore:
             keys=step.keys,
             reads=tuple(read.plan for read in reads),
             discard=False,
+            positions=np.stack((start, end), axis=1),
+            skip=skip if any_true(skip != 0) else None,
         )
+
+    def _check_delivery_order(
+        self,
+        step: _Step,
+        requested: tuple[ReqId, ...],
+        entries: npt.NDArray[np.int64],
+        lo: npt.NDArray[np.int64],
+        cursor: npt.NDArray[np.int64],
+    ) -> None:
+        """DLV-4/DLV-5: positions below a step's rows that were not delivered.
+
+        Passed over when no earlier step of the request is still unconsumed (they were
+        discarded); refused while one is, since it could only fill them out of position order.
+        """
+        for i in np.flatnonzero(lo > cursor).tolist():
+            entry = entries[i]
+            for other in sorted(self._steps.values(), key=lambda s: s.step_id):
+                if other.step_id >= step.step_id:
+                    break
+                if other.consuming:
+                    continue
+                at = np.flatnonzero(other.entries == entry)
+                if len(at) and other.hi[at[0]] > cursor[i]:
+                    raise DeliveryOrderError(
+                        req_id=requested[i],
+                        step_id=step.step_id,
+                        earlier_step_id=other.step_id,
+                        gap=(int(cursor[i]), int(lo[i])),
+                    )
 
     def consume_end(self, inp: ConsumeEnd) -> None:
         """Release a materialized step's page and drop its reads (D5).
@@ -1015,6 +1187,8 @@ class CacheCore:
                     tuple(
                         (r, tuple(x.plan.read_id for x in rs)) for r, rs in sorted(s.reads.items())
                     ),
+                    tuple(s.lo.tolist()),
+                    tuple(s.hi.tolist()),
                 )
                 for s in sorted(self._steps.values(), key=lambda s: s.step_id)
             ),
@@ -1044,6 +1218,12 @@ class CacheCore:
             self._next_ticket,
             self._budget_used,
             tuple((r, q.open_tid, tuple(q.tids)) for r, q in sorted(self._live.items())),
+            tuple(sorted(self._preempted)),
+            self._admissions.canonical(
+                {r: q.entry for r, q in self._live.items()},
+                [s.entries for s in sorted(self._steps.values(), key=lambda s: s.step_id)],
+            ),
+            tuple(sorted(self._start_hit_lo.items())),
             tuple(
                 (r, tuple(s.tolist()), tuple(sorted(ids.items())))
                 for r, (s, ids) in sorted(self._start_hits.items())
@@ -1159,6 +1339,20 @@ class CacheCore:
             for tid in request.tids:
                 need(tid in self._tasks, f"request {req_id} tracks retired task {tid}")
         need(self._lost_hits <= self._live.keys(), "a lost hit of a request that ended (D10)")
+        # LIFE-1, DLV-1: admissions and the steps that carry them.
+        need(self._preempted <= self._live.keys(), "a preempted request that is not live")
+        need(not (self._preempted & self._start_hits.keys()), "a hit of a preempted request")
+        for step in self._steps.values():
+            need(
+                len(step.entries) == len(step.req_ids) == len(step.lo) == len(step.hi)
+                and bool((step.lo <= step.hi).all()),
+                f"step {step.step_id}: positions do not match its layout",
+            )
+        self._admissions.check(
+            {r: q.entry for r, q in self._live.items()},
+            self._preempted,
+            [s.entries for s in self._steps.values()],
+        )
         for tid in self._unwritten_step_writes | self._escalated:
             need(tid in self._tasks, f"waited task {tid} is not registered")
         for read in self._reads.values():
@@ -1271,6 +1465,8 @@ class CacheCore:
     def _clear_start_hits(self) -> None:
         self._start_hits = {}
         self._start_hit_slots = (_EMPTY_SLOTS, [0])
+        if self._start_hit_lo:
+            self._start_hit_lo = {}
 
     def _hold(self, task: _Task, key: TensorName, slots: SlotArray) -> None:
         """Add a chunk of `key` slots to `task`'s write."""
@@ -1604,6 +1800,7 @@ class CacheCore:
 
     def _end_step(self, step: _Step) -> None:
         del self._steps[step.step_id]
+        self._admissions.on_step_end(step.entries)
         self._pages[step.page].discard(("step", step.step_id))
         for reads in step.reads.values():
             for read in reads:

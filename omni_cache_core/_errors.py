@@ -22,9 +22,11 @@ from typing import Any, ClassVar
 __all__ = [
     "BadInputError",
     "ConfigError",
+    "DeliveryOrderError",
     "HitUnreadableError",
     "IllegalTransitionError",
     "InvariantError",
+    "LifecycleError",
     "OmniPrefixCacheStagingTimeoutError",
     "OmniPrefixCacheUnmatchError",
     "OversizeStepError",
@@ -308,6 +310,67 @@ class BadInputError(_Structured, OmniPrefixCacheUnmatchError, ValueError):
         self.expected = expected
         self.got = got
         super().__init__(f"bad input: {what}: expected {expected}, got {got}")
+
+
+class LifecycleError(BadInputError):
+    """A request lifecycle record is illegal in the request's state (LIFE-2).
+
+    For example RESUMED of a request that is not preempted, PREEMPTED twice, or STARTED of a
+    preempted request. The whole step's records are refused: the cache is unchanged.
+
+    Attributes:
+        req_id: The request.
+        event: The record's kind (``"resumed"``, ``"preempted"``, ...).
+        state: The request's state when the record arrived (``"running"``, ``"preempted"``,
+            ``"not live"``).
+    """
+
+    _FIELDS = ("req_id", "event", "state")
+
+    def __init__(self, *, req_id: str, event: str, state: str) -> None:
+        self.req_id = req_id
+        self.event = event
+        self.state = state
+        legal = {
+            "started": "a request that is not live",
+            "preempted": "a running request",
+            "resumed": "a preempted request",
+        }.get(event, "a live request")
+        super().__init__(
+            what=f"{event.upper()} record of request {req_id!r}",
+            expected=f"{event.upper()} only for {legal} (LIFE-2)",
+            got=f"a request that is {state}",
+        )
+
+
+class DeliveryOrderError(_Structured, OmniPrefixCacheUnmatchError):
+    """A materialize would skip positions an earlier, unconsumed step still carries (DLV-5).
+
+    Handing the request this step's rows now would leave a gap that the earlier step could
+    only fill out of position order. The cache is unchanged: the step stays open, so the caller
+    can consume the earlier step first and then this one (or discard either).
+
+    Attributes:
+        req_id: The request.
+        step_id: The step whose materialize was refused.
+        earlier_step_id: The unconsumed earlier step that carries the gap.
+        gap: ``(start, end)``: the positions not yet delivered below this step's rows.
+    """
+
+    _FIELDS = ("req_id", "step_id", "earlier_step_id", "gap")
+
+    def __init__(
+        self, *, req_id: str, step_id: int, earlier_step_id: int, gap: tuple[int, int]
+    ) -> None:
+        self.req_id = req_id
+        self.step_id = step_id
+        self.earlier_step_id = earlier_step_id
+        self.gap = (int(gap[0]), int(gap[1]))
+        super().__init__(
+            f"materialize(step {step_id}) would hand request {req_id!r} positions above "
+            f"[{self.gap[0]}, {self.gap[1]}), which unconsumed step {earlier_step_id} carries; "
+            "consume that step first (DLV-5). The step stays open."
+        )
 
 
 class OversizeStepError(_Structured, OmniPrefixCacheUnmatchError):

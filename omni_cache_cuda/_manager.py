@@ -73,6 +73,7 @@ from omni_cache_core._values import (
 from omni_cache_cuda._committer import Chunk, Committer, Signal, WriteJob
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._outputs import (
+    DeliveredPositions,
     StageCacheOutputs,
     classify,
     snapshot_leftover,
@@ -757,6 +758,14 @@ class OmniPrefixCacheManager:
             current[key] = host[:n] if isinstance(host, torch.Tensor) else rows.cpu()
         reads = {(r.req_id, r.key): r for r in plan.reads}
         rows_of = {req: ctx.req_rows[req] for req in wanted}
+        # DLV-2: rows of positions already delivered (after a preemption) are cut off the front.
+        skips: dict[str, int] = {}
+        if plan.skip is not None:
+            skips = {r: k for r, k in zip(wanted, plan.skip.tolist(), strict=True) if k}
+            hit_len = {r.req_id: len(r.slots) for r in plan.reads}
+            for req, k in skips.items():
+                start, end = rows_of[req]
+                rows_of[req] = (min(end, start + max(0, k - hit_len.get(req, 0))), end)
 
         # One split per key makes every request's view at once (a decode step has hundreds).
         sizes = [end - start for start, end in ctx.req_rows.values()]
@@ -776,6 +785,8 @@ class OmniPrefixCacheManager:
                     # An explicit width: a request with 0 rows this step has an empty tail.
                     flat[hit:].copy_(tail.reshape(len(tail), flat.shape[1]))
                     out[req] = full
+            for req, k in skips.items():
+                out[req] = out[req][k:]
             return out
 
         hidden_states = None
@@ -788,7 +799,7 @@ class OmniPrefixCacheManager:
                     else {
                         req: self._hit_only(
                             reads.get((cast(ReqId, req), key)), records, ctx, current, key
-                        )
+                        )[skips.get(req, 0) :]
                         for req in rows_of
                     }
                 )
@@ -798,7 +809,9 @@ class OmniPrefixCacheManager:
         for name, value in leftover.items():
             if name not in cached:
                 mm_outputs[name] = split_leftover(value, rows_of, n)
-        return StageCacheOutputs(hidden_states, mm_outputs)
+        return StageCacheOutputs(
+            hidden_states, mm_outputs, DeliveredPositions(wanted, plan.positions)
+        )
 
     def _hit_only(
         self,

@@ -3,29 +3,95 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
 
 from omni_cache_core import HIDDEN_KEY, ModelCachePolicy, TensorName
 
-__all__ = ["Classified", "StageCacheOutputs", "classify", "snapshot_leftover", "split_leftover"]
+__all__ = [
+    "Classified",
+    "DeliveredPositions",
+    "StageCacheOutputs",
+    "classify",
+    "snapshot_leftover",
+    "split_leftover",
+]
 
 
-class StageCacheOutputs(NamedTuple):
-    """Per-request merged stage outputs of one step.
-
-    Attributes:
-        hidden_states: Request id -> its rows known so far for this step: the hit prefix rows
-            followed by this step's rows. None when the policy does not cache hidden states
-            (OUT-7); that is not a miss.
-        mm_outputs: Tensor name -> request id -> payload: merged rows for cached keys, the
-            request's share of every uncached value (OUT-5).
-    """
-
+class _OutputFields(NamedTuple):
     hidden_states: dict[str, torch.Tensor] | None
     mm_outputs: dict[str, dict[str, Any]]
+
+
+_NO_POSITIONS: Mapping[str, tuple[int, int]] = MappingProxyType({})
+
+
+class StageCacheOutputs(_OutputFields):
+    """Per-request merged stage outputs of one step.
+
+    A two-field tuple, so ``hidden, mm = out`` works, plus the positions each request received.
+
+    Attributes:
+        hidden_states: Request id -> the rows of the positions delivered to it by this
+            materialize, in position order: on the step that registers its hit, the hit prefix
+            rows followed by this step's rows. None when the policy does not cache hidden states
+            (OUT-7); that is not a miss.
+        mm_outputs: Tensor name -> request id -> payload: merged rows for cached keys, built
+            like the hidden rows, and the request's share of every uncached value (OUT-5).
+        positions: Request id -> ``(start, end)``, the absolute positions (token indices of the
+            request) of those rows (DLV-7). Each position is delivered once per admission
+            (DLV-2): after a preemption, rows below what was already delivered are not handed
+            out again, so ``start`` can be above the first position the step computed and
+            ``start == end`` means nothing new. Not part of tuple equality.
+    """
+
+    positions: Mapping[str, tuple[int, int]] = _NO_POSITIONS
+
+    def __new__(
+        cls,
+        hidden_states: dict[str, torch.Tensor] | None,
+        mm_outputs: dict[str, dict[str, Any]],
+        positions: Mapping[str, tuple[int, int]] | None = None,
+    ) -> StageCacheOutputs:
+        self = super().__new__(cls, hidden_states, mm_outputs)
+        if positions is not None:
+            self.positions = positions
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickling keeps the positions
+        return (self.hidden_states, self.mm_outputs, dict(self.positions))
+
+
+class DeliveredPositions(Mapping[str, tuple[int, int]]):
+    """Request id -> ``(start, end)``, built from the core's arrays on first look (DLV-7)."""
+
+    __slots__ = ("_map", "_positions", "_req_ids")
+
+    def __init__(self, req_ids: tuple[str, ...], positions: Any) -> None:
+        self._req_ids = req_ids
+        self._positions = positions
+        self._map: dict[str, tuple[int, int]] | None = None
+
+    def _built(self) -> dict[str, tuple[int, int]]:
+        if self._map is None:
+            pairs = self._positions.tolist()
+            self._map = {r: (p[0], p[1]) for r, p in zip(self._req_ids, pairs, strict=True)}
+        return self._map
+
+    def __getitem__(self, req_id: str) -> tuple[int, int]:
+        return self._built()[req_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __repr__(self) -> str:
+        return f"DeliveredPositions({self._built()!r})"
 
 
 class Classified(NamedTuple):

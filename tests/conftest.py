@@ -1,4 +1,4 @@
-"""Shared pytest configuration: hypothesis profiles and the `gpu` marker.
+"""Shared pytest configuration: hypothesis profiles, the `gpu` marker and `make_core`.
 
 Profiles: `ci` (the default) is derandomized so a CI failure reproduces exactly; `nightly` runs
 many more examples. Select one with the HYPOTHESIS_PROFILE environment variable.
@@ -7,9 +7,15 @@ many more examples. Select one with the HYPOTHESIS_PROFILE environment variable.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from omni_cache_core import ModelCachePolicy
+from omni_cache_core._core import CacheCore
+from tests.core_helpers import MakeCore, config
 
 settings.register_profile(
     "ci",
@@ -35,3 +41,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def make_core() -> Iterator[MakeCore]:
+    """Build cores from `config(**overrides)` and check every one's invariants at the end."""
+    cores: list[CacheCore] = []
+
+    def build(policy: ModelCachePolicy | None = None, **overrides: Any) -> CacheCore:
+        core = CacheCore(config(**overrides), policy)
+        cores.append(core)
+        return core
+
+    yield build
+    for core in cores:
+        core.check_invariants()

@@ -59,6 +59,8 @@ TIMEOUT_NS = 1_000_000_000
 
 E = TypeVar("E", bound=BaseException)
 
+MakeCore = Callable[..., CacheCore]
+
 
 def config(**overrides: Any) -> PrefixCacheConfig:
     """Build a small config: 8 blocks of 4 slots, 4 pages of 32 rows, 1 s waits, 1000 bytes."""
@@ -105,6 +107,24 @@ def finished(req: str) -> PrefixCacheRequestEvent:
 def aborted(req: str) -> PrefixCacheRequestEvent:
     """An ABORTED record."""
     return PrefixCacheRequestEvent(req_id=req, kind=PrefixCacheEventKind.ABORTED)
+
+
+def preempted(req: str) -> PrefixCacheRequestEvent:
+    """A PREEMPTED record."""
+    return PrefixCacheRequestEvent(req_id=req, kind=PrefixCacheEventKind.PREEMPTED)
+
+
+def resumed(
+    req: str, *, hit_end: int = 0, block_ids: Sequence[int] = (), scheduled: int = 0
+) -> PrefixCacheRequestEvent:
+    """A RESUMED record."""
+    return PrefixCacheRequestEvent(
+        req_id=req,
+        kind=PrefixCacheEventKind.RESUMED,
+        hit_end=hit_end,
+        block_ids=tuple(block_ids),
+        scheduled_tokens=scheduled,
+    )
 
 
 def start(core: CacheCore, *events: PrefixCacheRequestEvent, now_ns: int = 0) -> tuple[Effect, ...]:

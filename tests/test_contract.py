@@ -99,8 +99,14 @@ def test_write_schedule_values() -> None:
 
 
 def test_event_kind_values() -> None:
-    """The request event kinds are started, finished and aborted."""
-    assert [k.value for k in PrefixCacheEventKind] == ["started", "finished", "aborted"]
+    """The request event kinds: the seed's three, then preempted and resumed (LIFE-2)."""
+    assert [k.value for k in PrefixCacheEventKind] == [
+        "started",
+        "finished",
+        "aborted",
+        "preempted",
+        "resumed",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

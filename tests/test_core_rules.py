@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,7 @@ from tests.core_helpers import (
     DEF,
     MM,
     TIMEOUT_NS,
+    MakeCore,
     aborted,
     blocks,
     config,
@@ -95,23 +96,6 @@ AFTER_WRITE = SlotSource.AFTER_WRITE.value
 TASK = SlotSource.TASK.value
 ZEROS = SlotSource.ZEROS.value
 THIS_STEP = SlotSource.THIS_STEP.value
-
-MakeCore = Callable[..., CacheCore]
-
-
-@pytest.fixture
-def make_core() -> Iterator[MakeCore]:
-    """Build cores from `config(**overrides)` and check every one's invariants at the end."""
-    cores: list[CacheCore] = []
-
-    def build(policy: ModelCachePolicy | None = None, **overrides: Any) -> CacheCore:
-        core = CacheCore(config(**overrides), policy)
-        cores.append(core)
-        return core
-
-    yield build
-    for core in cores:
-        core.check_invariants()
 
 
 def _reads(plan: Any, req: str) -> dict[TensorName, ReadPlan]:
@@ -151,18 +135,21 @@ def test_step_1_each_save_returns_a_fresh_increasing_step_id(make_core: MakeCore
 
 
 def test_step_1_steps_are_consumed_by_id_in_any_order(make_core: MakeCore) -> None:
-    """Steps are consumed by id, not by age: the newest first, then the oldest (STEP-1)."""
+    """Steps are consumed by id, not by age: the newest first, then the oldest (STEP-1).
+
+    The steps share no request, so no order of delivery is at stake (DLV-5).
+    """
     core = make_core()
-    start(core, started("a"))
+    start(core, started("a"), started("b"), started("c"))
     first = save(core, [("a", blocks(0))]).step_id
-    second = save(core, [("a", blocks(1))]).step_id
-    third = save(core, [("a", blocks(2))]).step_id
+    second = save(core, [("b", blocks(1))]).step_id
+    third = save(core, [("c", blocks(2))]).step_id
     assert core.open_step_ids == (first, second, third)
-    consume(core, third, ["a"])
+    consume(core, third, ["c"])
     assert core.open_step_ids == (first, second)
     consume(core, first)
     assert core.open_step_ids == (second,)
-    consume(core, second, ["a"])
+    consume(core, second, ["b"])
     assert core.open_step_ids == ()
     assert core.pages_in_use == 0
 
@@ -1111,9 +1098,10 @@ def test_hit_1_a_continuation_opens_no_new_hit(make_core: MakeCore) -> None:
     """A live request that re-enters as started registers no hit and prefetches nothing (HIT-1)."""
     core = make_core()
     start(core, started("a"))
-    save(core, [("a", blocks(0))])
+    first = save(core, [("a", blocks(0))]).step_id
     assert start(core, started("a", hit_end=BLOCK, block_ids=(0, 1))) == ()
     step_id = save(core, [("a", blocks(1))]).step_id
+    consume(core, first, ["a"])
     assert consume(core, step_id, ["a"]).reads == ()
     assert core.counters.hit_requests == 0
 

@@ -269,7 +269,7 @@ def _public_error_classes() -> list[type[BaseException]]:
 def test_every_error_class_is_exported() -> None:
     """Every public error class is re-exported by the package and listed in __all__."""
     classes = _public_error_classes()
-    assert len(classes) == 15
+    assert len(classes) == 17
     for cls in classes:
         assert cls.__name__ in omni_cache_core.__all__
         assert getattr(omni_cache_core, cls.__name__) is cls
