@@ -1057,7 +1057,7 @@ class CacheCore:
         step.consuming = True
         step.consume_deadline_ns = None
         start, end = self._admissions.deliver(entries, lo, hi)
-        skip = start - lo
+        skip = np.minimum(start, hi) - lo  # at most every row the step carries
         self.counters.steps_consumed += 1
         if whole and step.hit_rows is not None:
             self.counters.hit_rows += step.hit_rows
