@@ -571,7 +571,7 @@ class CacheCore:
             else:
                 del self._live[req_id]
                 self._preempted.discard(req_id)
-                admissions.end(request.entry)
+                admissions.end(request.entry, self._carried(request.entry))
         self._clear_start_hits()
         effects: list[Effect] = []
         hits: list[tuple[ReqId, tuple[int, ...]]] = []
@@ -938,8 +938,7 @@ class CacheCore:
         # DLV-1: each request's rows are the positions from its count on; a request that
         # registered a hit here carries the hit rows before them.
         bounds = sv.row_bounds
-        own = self._admissions.on_save(save.entries, bounds[1:] - bounds[:-1])
-        hi = own + (bounds[1:] - bounds[:-1])
+        own, hi = self._admissions.on_save(save.entries, bounds[1:] - bounds[:-1])
         lo = own
         if self._start_hits:
             lo = own.copy()
@@ -1056,8 +1055,7 @@ class CacheCore:
             )
         step.consuming = True
         step.consume_deadline_ns = None
-        start, end = self._admissions.deliver(entries, lo, hi)
-        skip = np.minimum(start, hi) - lo  # at most every row the step carries
+        start, end, skip = self._admissions.deliver(entries, cursor, lo, hi)
         self.counters.steps_consumed += 1
         if whole and step.hit_rows is not None:
             self.counters.hit_rows += step.hit_rows
@@ -1070,8 +1068,9 @@ class CacheCore:
             keys=step.keys,
             reads=tuple(read.plan for read in reads),
             discard=False,
-            positions=np.stack((start, end), axis=1),
-            skip=skip if any_true(skip != 0) else None,
+            starts=start,
+            ends=end,
+            skip=skip,
         )
 
     def _check_delivery_order(
@@ -1798,9 +1797,14 @@ class CacheCore:
                 limits.append((Tid(tid), task.chunks))
         return tuple(limits), error
 
+    def _carried(self, entry: int) -> bool:
+        """Whether an unended step carries an admission entry."""
+        return any(any_true(step.entries == entry) for step in self._steps.values())
+
     def _end_step(self, step: _Step) -> None:
         del self._steps[step.step_id]
-        self._admissions.on_step_end(step.entries)
+        if self._admissions.ended:
+            self._admissions.on_step_end([s.entries for s in self._steps.values()])
         self._pages[step.page].discard(("step", step.step_id))
         for reads in step.reads.values():
             for read in reads:

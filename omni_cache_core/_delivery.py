@@ -8,9 +8,11 @@ a save or a consume of hundreds of requests costs a handful of numpy calls, not 
   RESUMED, advanced by the request's rows at every save.
 - `cursor`: the delivery cursor ``d`` (DLV-2): every position below it was handed out, or passed
   over after a discard (DLV-4). It never moves back.
-- `refs`: how many unended steps carry the admission. An entry outlives its admission's end until
-  the last of those steps is consumed, since a late builder may still materialize them.
 - `state`: free, running, preempted or ended.
+
+An entry outlives its admission's end while an unended step carries it, since a late builder may
+still materialize that step; it is freed when the last such step ends. Ended entries are few, so
+the save and consume of a decode step pay nothing for this.
 
 This unit decides nothing about steps, pages or slots; `CacheCore` composes it and asks it for
 positions at save and for the delivered range at consume.
@@ -24,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from omni_cache_core._errors import InvariantError
+from omni_cache_core._occupancy import any_true
 
 __all__ = ["Admissions"]
 
@@ -41,13 +44,14 @@ _INITIAL_ENTRIES: Final = 64
 class Admissions:
     """The per-admission position and delivery state (LIFE-1, DLV-1, DLV-2)."""
 
-    __slots__ = ("_free", "computed", "cursor", "refs", "state")
+    __slots__ = ("_free", "computed", "cursor", "ended", "state")
 
     def __init__(self) -> None:
         self.computed: Int64Array = np.zeros(_INITIAL_ENTRIES, dtype=np.int64)
         self.cursor: Int64Array = np.zeros(_INITIAL_ENTRIES, dtype=np.int64)
-        self.refs: Int64Array = np.zeros(_INITIAL_ENTRIES, dtype=np.int64)
         self.state = np.zeros(_INITIAL_ENTRIES, dtype=np.int8)
+        #: Entries whose admission ended while unended steps still carry them.
+        self.ended: set[int] = set()
         # Lowest entries first, so a run reuses a small prefix of the arrays.
         self._free: list[int] = list(range(_INITIAL_ENTRIES - 1, -1, -1))
 
@@ -62,7 +66,6 @@ class Admissions:
         self.state[entry] = RUNNING
         self.computed[entry] = hit_end
         self.cursor[entry] = 0
-        self.refs[entry] = 0
         return entry
 
     def preempt(self, entry: int) -> None:
@@ -75,49 +78,52 @@ class Admissions:
         self.computed[entry] = hit_end
         return int(self.cursor[entry])
 
-    def end(self, entry: int) -> None:
-        """The admission ended; its entry is freed once no unended step carries it."""
-        if self.refs[entry]:
+    def end(self, entry: int, carried: bool) -> None:
+        """The admission ended; its entry is freed now, or once no unended step carries it."""
+        if carried:
             self.state[entry] = ENDED
+            self.ended.add(entry)
         else:
             self._release_entry(entry)
 
     # ---------------------------------------------------------------------------------------
     # Steps.
 
-    def on_save(self, entries: Int64Array, rows: Int64Array) -> Int64Array:
-        """A step carries `rows` rows of each admission: return their first positions (DLV-1).
+    def on_save(self, entries: Int64Array, rows: Int64Array) -> tuple[Int64Array, Int64Array]:
+        """A step carries `rows` rows of each admission: return their positions (DLV-1).
 
-        `entries` are distinct (a layout names a request once).
+        Returns each admission's first and one-past-last position. `entries` are distinct (a
+        layout names a request once).
         """
         first = self.computed[entries]
-        self.computed[entries] = first + rows
-        self.refs[entries] += 1
-        return first
+        end = first + rows
+        self.computed[entries] = end
+        return first, end
 
-    def on_step_end(self, entries: Int64Array) -> None:
-        """A step carrying `entries` ended (consumed, discarded or failed)."""
-        refs = self.refs
-        refs[entries] -= 1
-        if not len(entries):
-            return
-        done = entries[(refs[entries] == 0) & (self.state[entries] == ENDED)]
-        for entry in done.tolist():
-            self._release_entry(entry)
+    def on_step_end(self, carried: list[Int64Array]) -> None:
+        """A step ended: free the ended entries that no unended step (`carried`) holds now."""
+        for entry in list(self.ended):
+            if not any(any_true(entries == entry) for entries in carried):
+                self.ended.discard(entry)
+                self._release_entry(entry)
 
     def deliver(
-        self, entries: Int64Array, lo: Int64Array, hi: Int64Array
-    ) -> tuple[Int64Array, Int64Array]:
+        self, entries: Int64Array, cursor: Int64Array, lo: Int64Array, hi: Int64Array
+    ) -> tuple[Int64Array, Int64Array, Int64Array | None]:
         """Hand out positions ``[max(lo, d), hi)`` and move each cursor to ``hi`` (DLV-2, DLV-4).
 
-        Returns the delivered ``(start, end)`` per entry; ``start == end`` when nothing is new.
-        The caller has ruled out order violations (DLV-5) first.
+        `cursor` is ``self.cursor[entries]``, as the caller read it for its DLV-5 check. Returns
+        the delivered start and end per entry (``start == end`` when nothing is new) and how many
+        of the rows the step carries come before the start, or None when none do.
         """
-        cursor = self.cursor[entries]
+        if not any_true(cursor > lo):
+            # The usual step: nothing at or above its first row was delivered yet.
+            self.cursor[entries] = hi
+            return lo, hi, None
         start = np.maximum(lo, cursor)
         end = np.maximum(hi, start)
-        self.cursor[entries] = np.maximum(cursor, hi)
-        return start, end
+        self.cursor[entries] = end
+        return start, end, np.minimum(start, hi) - lo
 
     # ---------------------------------------------------------------------------------------
     # State.
@@ -140,7 +146,6 @@ class Admissions:
                     int(self.state[entry]),
                     int(self.computed[entry]),
                     int(self.cursor[entry]),
-                    int(self.refs[entry]),
                 )
                 for entry, name in names.items()
             ),
@@ -152,16 +157,16 @@ class Admissions:
         Raises:
             InvariantError: One does not hold (a bug in this library).
         """
-        refs = np.zeros(len(self.refs), dtype=np.int64)
+        carried: set[int] = set()
         for entries in steps:
             if len(np.unique(entries)) != len(entries):
                 raise InvariantError("a step carries one admission twice")
-            refs[entries] += 1
-        if not np.array_equal(refs, self.refs):
-            raise InvariantError("admission refs do not match the unended steps")
+            carried.update(entries.tolist())
         used = set(np.flatnonzero(self.state != FREE).tolist())
         if used & set(self._free) or len(used) + len(self._free) != len(self.state):
             raise InvariantError("the free list and the entry states disagree")
+        if not carried <= used:
+            raise InvariantError("a step carries a freed admission entry")
         live_entries = set(live.values())
         if len(live_entries) != len(live):
             raise InvariantError("two live requests share an admission entry")
@@ -172,9 +177,10 @@ class Admissions:
                     f"request {req_id!r}: entry {entry} is {STATE_NAMES[int(self.state[entry])]}"
                     f", expected {STATE_NAMES[want]}"
                 )
-        for entry in used - live_entries:
-            if self.state[entry] != ENDED or not self.refs[entry]:
-                raise InvariantError(f"entry {entry} outlived its admission and its steps")
+        if used - live_entries != self.ended:
+            raise InvariantError("ended entries do not match those of no live request")
+        if not self.ended <= carried:
+            raise InvariantError("an ended entry outlived the steps that carry it")
         if (self.cursor < 0).any() or (self.computed < 0).any():
             raise InvariantError("a negative position or cursor")
 
@@ -183,13 +189,11 @@ class Admissions:
 
     def _release_entry(self, entry: int) -> None:
         self.state[entry] = FREE
-        self.refs[entry] = 0
         self._free.append(entry)
 
     def _grow(self) -> None:
         size = len(self.state)
         self.computed = np.concatenate([self.computed, np.zeros(size, dtype=np.int64)])
         self.cursor = np.concatenate([self.cursor, np.zeros(size, dtype=np.int64)])
-        self.refs = np.concatenate([self.refs, np.zeros(size, dtype=np.int64)])
         self.state = np.concatenate([self.state, np.zeros(size, dtype=np.int8)])
         self._free.extend(range(2 * size - 1, size - 1, -1))

@@ -388,10 +388,11 @@ class ConsumePlan:
         keys: Cached keys returned (hidden first when cached; OUT-6).
         reads: Hit reads of the requested requests.
         discard: True for `discard_step`: nothing to read, page already released.
-        positions: Per requested request, in the order asked, the ``(start, end)`` of the
-            positions it is handed (DLV-2, DLV-7); ``start == end`` when nothing is new.
+        starts: Per requested request, in the order asked, the first position it is handed
+            (DLV-2, DLV-7).
+        ends: Likewise, one past the last; ``start == end`` when nothing is new.
         skip: Per requested request, how many of the rows the step carries for it (hit rows,
-            then its own rows) come before ``start`` and are not handed out again (DLV-2);
+            then its own rows) come before its start and are not handed out again (DLV-2);
             None when that is 0 for every request, as it is without preemption.
 
     Report with: ConsumeEnd (not for a discard).
@@ -402,8 +403,14 @@ class ConsumePlan:
     keys: tuple[TensorName, ...]
     reads: tuple[ReadPlan, ...]
     discard: bool
-    positions: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros((0, 2), np.int64))
+    starts: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
+    ends: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
     skip: npt.NDArray[np.int64] | None = None
+
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        """``(start, end)`` per requested request, as rows of a ``(k, 2)`` array."""
+        return np.stack((self.starts, self.ends), axis=1)
 
 
 @attrs.frozen(kw_only=True)

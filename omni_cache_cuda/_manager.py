@@ -810,7 +810,7 @@ class OmniPrefixCacheManager:
             if name not in cached:
                 mm_outputs[name] = split_leftover(value, rows_of, n)
         return StageCacheOutputs(
-            hidden_states, mm_outputs, DeliveredPositions(wanted, plan.positions)
+            hidden_states, mm_outputs, DeliveredPositions(wanted, plan.starts, plan.ends)
         )
 
     def _hit_only(

@@ -68,17 +68,18 @@ class StageCacheOutputs(_OutputFields):
 class DeliveredPositions(Mapping[str, tuple[int, int]]):
     """Request id -> ``(start, end)``, built from the core's arrays on first look (DLV-7)."""
 
-    __slots__ = ("_map", "_positions", "_req_ids")
+    __slots__ = ("_ends", "_map", "_req_ids", "_starts")
 
-    def __init__(self, req_ids: tuple[str, ...], positions: Any) -> None:
+    def __init__(self, req_ids: tuple[str, ...], starts: Any, ends: Any) -> None:
         self._req_ids = req_ids
-        self._positions = positions
+        self._starts = starts
+        self._ends = ends
         self._map: dict[str, tuple[int, int]] | None = None
 
     def _built(self) -> dict[str, tuple[int, int]]:
         if self._map is None:
-            pairs = self._positions.tolist()
-            self._map = {r: (p[0], p[1]) for r, p in zip(self._req_ids, pairs, strict=True)}
+            pairs = zip(self._starts.tolist(), self._ends.tolist(), strict=True)
+            self._map = dict(zip(self._req_ids, pairs, strict=True))
         return self._map
 
     def __getitem__(self, req_id: str) -> tuple[int, int]:
