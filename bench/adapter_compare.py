@@ -1,0 +1,95 @@
+"""Compare whole adapter cycles with an earlier revision's, round by round in one run.
+
+`adapter_step.py` measures this tree's adapter; on a machine whose speed swings by up to 2x,
+two such runs minutes apart cannot tell a 20 % change from the swing. This script extracts the
+packages of a git revision into a temporary folder and runs `adapter_step.py` (this tree's copy;
+it uses only the public API) alternately against that revision and this tree, one round each in
+a fresh process, so neighbouring rounds see the same machine state. It prints each round's
+figures per version and the median ratio (this tree / revision) of the engine thread's CPU time
+and of the process's CPU time per cycle, per row.
+
+Run from the repository root: python bench/adapter_compare.py REV [--rounds R] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP_SCRIPT = ROOT / "bench" / "adapter_step.py"
+#: A result row of adapter_step.py: name, wall, p90, engine, cpu, copy, ... (ms).
+ROW = re.compile(
+    r"^(?P<name>(?:decode|prefill).*?(?:inline|threaded))\s+(?P<wall>[\d.]+)\s+[\d.]+\s+"
+    r"(?P<engine>[\d.]+)\s+(?P<cpu>[\d.]+)\s+(?P<copy>[\d.]+)",
+    re.MULTILINE,
+)
+
+
+def _run(tree: Path, steps: int) -> dict[str, tuple[float, float, float]]:
+    """One round of adapter_step.py against the packages in `tree`: name -> (engine, cpu, copy)."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run(
+        [sys.executable, str(STEP_SCRIPT), "--rounds", "1", "--steps", str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tempfile.gettempdir(),  # so the working tree's packages are not found by accident
+    ).stdout
+    rows = {
+        m["name"].strip(): (float(m["engine"]), float(m["cpu"]), float(m["copy"]))
+        for m in ROW.finditer(out)
+    }
+    if len(rows) != 4:
+        raise SystemExit(f"could not read adapter_step.py's output:\n{out}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rev", help="git revision to compare against")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per version")
+    parser.add_argument("--steps", type=int, default=200, help="decode cycles per round")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp)
+        archive = subprocess.run(
+            ["git", "archive", args.rev, "omni_cache_core", "omni_cache_cuda"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        versions = {args.rev: old, "tree": ROOT}
+        results: dict[str, list[dict[str, tuple[float, float, float]]]] = {v: [] for v in versions}
+        for _ in range(args.rounds):
+            for name, tree in versions.items():
+                results[name].append(_run(tree, args.steps))
+    print(f"adapter cycles, {args.rounds} rounds of {args.steps} decode steps per version")
+    print(f"{'cycle':31} {'version':>10}  engine ms per round / cpu ms per round")
+    for row in results["tree"][0]:
+        for name in versions:
+            engine = " ".join(f"{r[row][0]:6.3f}" for r in results[name])
+            cpu = " ".join(f"{r[row][1]:6.3f}" for r in results[name])
+            print(f"{row:31} {name:>10}  {engine}  /  {cpu}")
+        ratios = [
+            (new[row][0] / old_[row][0], new[row][1] / old_[row][1])
+            for new, old_ in zip(results["tree"], results[args.rev], strict=True)
+        ]
+        engine_ratio = statistics.median(r[0] for r in ratios)
+        cpu_ratio = statistics.median(r[1] for r in ratios)
+        print(
+            f"{row:31} {'ratio':>10}  engine {engine_ratio:.2f}, cpu {cpu_ratio:.2f} "
+            f"(tree / {args.rev}, median of rounds)"
+        )
+
+
+if __name__ == "__main__":
+    main()
