@@ -72,7 +72,7 @@ from omni_cache_core._errors import (
     WaitTimeoutError,
     WriteFailedError,
 )
-from omni_cache_core._occupancy import ABSENT, COMMITTED, OccupancyTable, any_true
+from omni_cache_core._occupancy import ABSENT, COMMITTED, UNKNOWN, OccupancyTable, any_true
 from omni_cache_core._values import (
     AwaitPage,
     AwaitTasks,
@@ -388,6 +388,9 @@ class CacheCore:
             tuple[tuple[ReqId, ...], frozenset[ReqId], npt.NDArray[np.int64]] | None
         ) = None
         self._tables: dict[TensorName, OccupancyTable] = {}
+        #: Tables allocated ahead of a key's first save (`reserve_tables`): an allocation cache,
+        #: not state. A key's first save takes its spare instead of allocating one.
+        self._spare_tables: dict[TensorName, OccupancyTable] = {}
         # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
         self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
         #: All of those hits' slots in one array, with each hit's bounds in it (derived).
@@ -439,8 +442,24 @@ class CacheCore:
         return tuple(self._tables)
 
     def occupancy_metadata_bytes(self) -> int:
-        """Bytes of every occupancy table (SLOT-6)."""
-        return sum(t.metadata_bytes for t in self._tables.values())
+        """Bytes of every occupancy table (SLOT-6), spare tables (`reserve_tables`) included."""
+        tables = (*self._tables.values(), *self._spare_tables.values())
+        return sum(t.metadata_bytes for t in tables)
+
+    def occupancy_bytes_per_key(self) -> int:
+        """Bytes one cached key's occupancy table takes (SLOT-6, D3): 8 per slot."""
+        return 8 * self._num_slots
+
+    def reserve_tables(self, keys: Iterable[TensorName]) -> None:
+        """Allocate the occupancy tables of keys not seen yet, ahead of their first save.
+
+        An allocation hint, not an input: the state (and `snapshot`) is unchanged, and a key's
+        first save takes its spare table instead of allocating one. Keys already seen, or
+        already reserved, are skipped. Works whatever the cache's state.
+        """
+        for key in keys:
+            if key not in self._tables and key not in self._spare_tables:
+                self._spare_tables[key] = OccupancyTable(self._num_slots)
 
     def task_state(self, tid: Tid) -> TaskState | None:
         """State of a registered task, or None once it left the registry (WRITTEN or FAILED)."""
@@ -890,7 +909,8 @@ class CacheCore:
         effects: list[Effect] = []
         for key in (*sv.immediate_keys, *sv.deferred_keys):
             if key not in self._tables:
-                self._tables[key] = OccupancyTable(self._num_slots)
+                spare = self._spare_tables.pop(key, None)
+                self._tables[key] = spare if spare is not None else OccupancyTable(self._num_slots)
 
         step_tid: Tid | None = None
         tickets_left = save.charged
@@ -1319,6 +1339,12 @@ class CacheCore:
                     int(table.version.max()) <= table.claims,
                     f"key {key}: a version above the table's {table.claims} claims",
                 )
+        for key, table in self._spare_tables.items():
+            need(key not in self._tables, f"key {key}: a spare table beside the one in use")
+            need(
+                table.claims == 0 and bool((table.owner == UNKNOWN).all()),
+                f"key {key}: a spare table that is not fresh",
+            )
         writers: dict[TensorName, int] = {}
         for task in self._tasks.values():
             for key in task.slots:

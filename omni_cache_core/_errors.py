@@ -24,6 +24,7 @@ __all__ = [
     "ConfigError",
     "DeliveryOrderError",
     "HitUnreadableError",
+    "HostAllocationError",
     "IllegalTransitionError",
     "InvariantError",
     "LifecycleError",
@@ -33,6 +34,7 @@ __all__ = [
     "PageTimeoutError",
     "RequestEventError",
     "ShutDownError",
+    "StagingCopyError",
     "StepAlreadyConsumedError",
     "UnknownStepError",
     "WaitTimeoutError",
@@ -370,6 +372,59 @@ class DeliveryOrderError(_Structured, OmniPrefixCacheUnmatchError):
             f"materialize(step {step_id}) would hand request {req_id!r} positions above "
             f"[{self.gap[0]}, {self.gap[1]}), which unconsumed step {earlier_step_id} carries; "
             "consume that step first (DLV-5). The step stays open."
+        )
+
+
+class HostAllocationError(_Structured, OmniPrefixCacheUnmatchError, MemoryError):
+    """Host storage of a cached key could not be allocated or pinned.
+
+    Raised by the call that needed it: `reserve`, or the key's first save. The cache is
+    unchanged: keys it already had stay usable, and the call keeps nothing it allocated (a save
+    issues no step id and leaves no trace, STEP-5), so nothing stays pinned for it. Free host
+    memory, lower ``num_blocks`` or drop keys (README, host memory) and try again.
+
+    Attributes:
+        key: The cached tensor name.
+        part: ``"pool"`` (one row per KV slot) or ``"pages"`` (the staging pages).
+        nbytes: The bytes asked for.
+        pinned: Whether the storage was to be pinned (on CUDA).
+        reason: What went wrong, in words (usually the underlying exception).
+    """
+
+    _FIELDS = ("key", "part", "nbytes", "pinned", "reason")
+
+    def __init__(self, *, key: str, part: str, nbytes: int, pinned: bool, reason: str) -> None:
+        self.key = key
+        self.part = part
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self.reason = reason
+        kind = "pinned " if pinned else ""
+        super().__init__(
+            f"could not allocate {nbytes} bytes of {kind}host {part} for key {key!r}: {reason}"
+        )
+
+
+class StagingCopyError(_Structured, OmniPrefixCacheUnmatchError):
+    """Copying a step's rows at save failed (the device clones or the copy into its page).
+
+    The save issued no step id and left no trace (STEP-5): the cache is unchanged and the next
+    save works once the cause is gone. As for a failed forward pass, the engine must not publish
+    the step's block hashes (DESIGN.md D6).
+
+    Attributes:
+        key: The cached tensor name being copied, or ``None`` when it cannot be told.
+        reason: What went wrong, in words (usually the underlying exception).
+    """
+
+    _FIELDS = ("key", "reason")
+
+    def __init__(self, *, key: str | None, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        what = "the step's rows" if key is None else f"the step's rows of key {key!r}"
+        super().__init__(
+            f"copying {what} at save failed: {reason}; the save issued no step id (STEP-5)"
         )
 
 

@@ -13,6 +13,7 @@ from omni_cache_core import (
     BadInputError,
     ConfigError,
     HitUnreadableError,
+    HostAllocationError,
     IllegalTransitionError,
     InvariantError,
     OmniPrefixCacheStagingTimeoutError,
@@ -21,6 +22,7 @@ from omni_cache_core import (
     PageTimeoutError,
     RequestEventError,
     ShutDownError,
+    StagingCopyError,
     StepAlreadyConsumedError,
     UnknownStepError,
     WaitTimeoutError,
@@ -101,6 +103,20 @@ CASES = [
         {"what": "write_layout slot count", "expected": "12 slots", "got": "10 slots"},
         (OmniPrefixCacheUnmatchError, ValueError),
         ["write_layout slot count", "12 slots", "10 slots"],
+    ),
+    (
+        HostAllocationError,
+        {"key": "talker.h", "part": "pool", "nbytes": 4096, "pinned": True, "reason": "refused"},
+        {"key": "talker.h", "part": "pool", "nbytes": 4096, "pinned": True, "reason": "refused"},
+        (OmniPrefixCacheUnmatchError, MemoryError),
+        ["talker.h", "pool", "4096", "pinned", "refused"],
+    ),
+    (
+        StagingCopyError,
+        {"key": "hidden", "reason": "RuntimeError('copy failed')"},
+        {"key": "hidden", "reason": "RuntimeError('copy failed')"},
+        (OmniPrefixCacheUnmatchError,),
+        ["hidden", "copy failed", "no step id"],
     ),
     (
         OversizeStepError,
@@ -269,7 +285,7 @@ def _public_error_classes() -> list[type[BaseException]]:
 def test_every_error_class_is_exported() -> None:
     """Every public error class is re-exported by the package and listed in __all__."""
     classes = _public_error_classes()
-    assert len(classes) == 17
+    assert len(classes) == 19
     for cls in classes:
         assert cls.__name__ in omni_cache_core.__all__
         assert getattr(omni_cache_core, cls.__name__) is cls
