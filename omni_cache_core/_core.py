@@ -456,10 +456,16 @@ class CacheCore:
         An allocation hint, not an input: the state (and `snapshot`) is unchanged, and a key's
         first save takes its spare table instead of allocating one. Keys already seen, or
         already reserved, are skipped. Works whatever the cache's state.
+
+        Raises:
+            MemoryError: A table could not be allocated; no table of this call is kept.
         """
-        for key in keys:
-            if key not in self._tables and key not in self._spare_tables:
-                self._spare_tables[key] = OccupancyTable(self._num_slots)
+        new = {
+            key: OccupancyTable(self._num_slots)
+            for key in dict.fromkeys(keys)
+            if key not in self._tables and key not in self._spare_tables
+        }
+        self._spare_tables.update(new)
 
     def task_state(self, tid: Tid) -> TaskState | None:
         """State of a registered task, or None once it left the registry (WRITTEN or FAILED)."""
@@ -996,8 +1002,8 @@ class CacheCore:
             UnknownStepError: The id was never issued; the cache is unchanged (STEP-2).
             StepAlreadyConsumedError: The id was consumed; the cache is unchanged (STEP-2).
             BadInputError: A request outside the step's layout (STEP-4); the step is consumed.
-            DeliveryOrderError: A request's rows would come after a gap an earlier unconsumed
-                step carries (DLV-5); nothing changes and the step stays open.
+            DeliveryOrderError: An earlier unconsumed step still owes a request rows that this
+                step would hand out after (DLV-5); nothing changes and the step stays open.
             HitUnreadableError: A hit cannot be served (HIT-4, HIT-6); the step is consumed.
             WaitTimeoutError: A write a hit reads did not land in time; the step is consumed.
         """
@@ -1030,8 +1036,9 @@ class CacheCore:
             at = np.fromiter((index[r] for r in requested), dtype=np.int64, count=len(requested))
             entries, lo, hi = step.entries[at], step.lo[at], step.hi[at]
         cursor = self._admissions.cursor[entries]
-        if any_true(lo > cursor):
-            self._check_delivery_order(step, requested, entries, lo, cursor)
+        if next(iter(self._steps)) != step.step_id:
+            # Not the oldest unended step: an earlier one may still owe these requests rows.
+            self._check_delivery_order(step, requested, entries, cursor, lo, hi)
         if not step.reads:
             reads = []
         elif whole:
@@ -1098,29 +1105,38 @@ class CacheCore:
         step: _Step,
         requested: tuple[ReqId, ...],
         entries: npt.NDArray[np.int64],
-        lo: npt.NDArray[np.int64],
         cursor: npt.NDArray[np.int64],
+        lo: npt.NDArray[np.int64],
+        hi: npt.NDArray[np.int64],
     ) -> None:
-        """DLV-4/DLV-5: positions below a step's rows that were not delivered.
+        """DLV-5: refuse to hand a request rows while an earlier step still owes it rows.
 
-        Passed over when no earlier step of the request is still unconsumed (they were
-        discarded); refused while one is, since it could only fill them out of position order.
+        An earlier unconsumed step that carries positions at or above a request's cursor would
+        hand them out after this step's, out of position order, or (after a resume) have them
+        passed over; so this step waits for it. A request this step hands nothing new is never
+        refused, and neither is a discard (it hands out nothing).
         """
-        for i in np.flatnonzero(lo > cursor).tolist():
-            entry = entries[i]
-            for other in sorted(self._steps.values(), key=lambda s: s.step_id):
-                if other.step_id >= step.step_id:
-                    break
-                if other.consuming:
-                    continue
-                at = np.flatnonzero(other.entries == entry)
-                if len(at) and other.hi[at[0]] > cursor[i]:
-                    raise DeliveryOrderError(
-                        req_id=requested[i],
-                        step_id=step.step_id,
-                        earlier_step_id=other.step_id,
-                        gap=(int(cursor[i]), int(lo[i])),
-                    )
+        gives = np.maximum(hi, cursor) > np.maximum(lo, cursor)
+        if not any_true(gives):
+            return
+        for other in self._steps.values():  # in step id order
+            if other.step_id == step.step_id:
+                return
+            if other.consuming:
+                continue  # its rows are handed out already
+            owes = other.hi > np.maximum(other.lo, self._admissions.cursor[other.entries])
+            if not any_true(owes):
+                continue
+            blocked = gives & np.isin(entries, other.entries[owes])
+            if any_true(blocked):
+                i = int(np.flatnonzero(blocked)[0])
+                j = int(np.flatnonzero(other.entries == entries[i])[0])
+                raise DeliveryOrderError(
+                    req_id=requested[i],
+                    step_id=step.step_id,
+                    earlier_step_id=other.step_id,
+                    gap=(max(int(other.lo[j]), int(cursor[i])), int(other.hi[j])),
+                )
 
     def consume_end(self, inp: ConsumeEnd) -> None:
         """Release a materialized step's page and drop its reads (D5).

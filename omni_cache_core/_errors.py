@@ -346,17 +346,18 @@ class LifecycleError(BadInputError):
 
 
 class DeliveryOrderError(_Structured, OmniPrefixCacheUnmatchError):
-    """A materialize would skip positions an earlier, unconsumed step still carries (DLV-5).
+    """A materialize would hand out rows while an earlier, unconsumed step still owes some (DLV-5).
 
-    Handing the request this step's rows now would leave a gap that the earlier step could
-    only fill out of position order. The cache is unchanged: the step stays open, so the caller
-    can consume the earlier step first and then this one (or discard either).
+    The earlier step carries positions of the same admission that were not delivered yet;
+    handing out this step's rows first would deliver them out of position order, or pass them
+    over. The cache is unchanged: the step stays open, so the caller can consume the earlier
+    step first and then this one (or discard either).
 
     Attributes:
         req_id: The request.
         step_id: The step whose materialize was refused.
-        earlier_step_id: The unconsumed earlier step that carries the gap.
-        gap: ``(start, end)``: the positions not yet delivered below this step's rows.
+        earlier_step_id: The unconsumed earlier step that still owes rows.
+        gap: ``(start, end)``: the positions not yet delivered that the earlier step carries.
     """
 
     _FIELDS = ("req_id", "step_id", "earlier_step_id", "gap")
@@ -369,9 +370,9 @@ class DeliveryOrderError(_Structured, OmniPrefixCacheUnmatchError):
         self.earlier_step_id = earlier_step_id
         self.gap = (int(gap[0]), int(gap[1]))
         super().__init__(
-            f"materialize(step {step_id}) would hand request {req_id!r} positions above "
-            f"[{self.gap[0]}, {self.gap[1]}), which unconsumed step {earlier_step_id} carries; "
-            "consume that step first (DLV-5). The step stays open."
+            f"materialize(step {step_id}) would hand request {req_id!r} rows before positions "
+            f"[{self.gap[0]}, {self.gap[1]}), which unconsumed step {earlier_step_id} still "
+            "owes it; consume that step first (DLV-5). The step stays open."
         )
 
 

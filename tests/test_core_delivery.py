@@ -241,8 +241,8 @@ def test_dlv_2_a_resume_below_the_cursor_hands_out_only_new_positions(
 def test_dlv_3_a_resume_above_the_cursor_reads_from_the_cursor_block(
     make_core: MakeCore,
 ) -> None:
-    """A resume hit above the cursor reads the undelivered rows from the cursor's block on;
-    the steps computed before the preemption then hand out nothing new (DLV-3, DLV-5)."""
+    """A resume hit above the cursor reads the undelivered rows from the cursor's block on; it
+    serves the positions of discarded steps too (DLV-3, DLV-4)."""
     core = make_core()
     start(core, started("a"))
     steps = [save(core, [("a", blocks(b))]).step_id for b in (0, 1, 2)]
@@ -252,16 +252,40 @@ def test_dlv_3_a_resume_above_the_cursor_reads_from_the_cursor_block(
     (prefetch,) = [e for e in effects if isinstance(e, PrefetchRead)]
     assert prefetch.slots.tolist() == blocks(1) + blocks(2)
     resume = save(core, [("a", [12])]).step_id
-    # Earlier steps are open but carry nothing above the cursor's gap: no refusal.
+    for step_id in steps[1:]:
+        consume(core, step_id)  # discarded: positions 4..11 not delivered
     plan = consume(core, resume, ["a"])
     assert _positions(plan) == [(BLOCK, 3 * BLOCK + 1)]
     assert _skip(plan) is None
     assert _hidden_read(plan, "a").slots.tolist() == blocks(1) + blocks(2)
-    for step_id in steps[1:]:
-        late = consume(core, step_id, ["a"])
-        assert _positions(late) == [(3 * BLOCK + 1, 3 * BLOCK + 1)], "nothing new"
-        assert _skip(late) == [4], "every row it carries was delivered"
     assert core.counters.hit_requests == 1
+
+
+def test_dlv_3_steps_from_before_a_resume_deliver_first_then_the_resume_hands_out_the_rest(
+    make_core: MakeCore,
+) -> None:
+    """Steps saved before the preemption are delivered first (DLV-5); the resume step's hit and
+    recomputed rows below the cursor are then cut (DLV-2, DLV-3)."""
+    core = make_core()
+    start(core, started("a"))
+    steps = [save(core, [("a", blocks(b))]).step_id for b in (0, 1, 2)]
+    consume(core, steps[0], ["a"])
+    start(core, preempted("a"))
+    start(core, resumed("a", hit_end=2 * BLOCK, block_ids=(0, 1, 5, 6)))
+    resume = save(core, [("a", [*blocks(5), 24])]).step_id
+    error = raises_unchanged(
+        core,
+        DeliveryOrderError,
+        core.consume_begin,
+        ConsumeBegin(step_id=resume, req_ids=(ReqId("a"),), now_ns=0),
+    )
+    assert (error.earlier_step_id, error.gap) == (steps[1], (BLOCK, 2 * BLOCK))
+    assert _positions(consume(core, steps[1], ["a"])) == [(BLOCK, 2 * BLOCK)]
+    assert _positions(consume(core, steps[2], ["a"])) == [(2 * BLOCK, 3 * BLOCK)]
+    plan = consume(core, resume, ["a"])
+    # The step carries hit rows 4..7 and own rows 8..12; all but position 12 were delivered.
+    assert _positions(plan) == [(3 * BLOCK, 3 * BLOCK + 1)]
+    assert _skip(plan) == [2 * BLOCK]
 
 
 @pytest.mark.parametrize("hit", [0, 2 * BLOCK], ids=["zero", "at-the-cursor"])
@@ -287,7 +311,8 @@ def test_dlv_3_a_resume_hit_beyond_what_was_computed_before_is_served(
     (its later blocks stayed cached elsewhere): the whole undelivered range is read (DLV-3)."""
     core = make_core()
     start(core, started("a"), started("b"))
-    save(core, [("a", blocks(0)), ("b", blocks(3) + blocks(4))])
+    first = save(core, [("a", blocks(0)), ("b", blocks(3) + blocks(4))]).step_id
+    consume(core, first, ["b"])  # a is left out: nothing delivered to it (DLV-4)
     start(core, preempted("a"))
     start(core, resumed("a", hit_end=2 * BLOCK, block_ids=(3, 4, 5)))
     plan = consume(core, save(core, [("a", [20])]).step_id, ["a"])
@@ -356,6 +381,19 @@ def test_dlv_5_a_gap_an_earlier_step_carries_is_refused_and_changes_nothing(
     assert _positions(consume(core, first, ["a"])) == [(0, BLOCK)]
     assert _positions(consume(core, second, ["a", "b"])) == [(BLOCK, 2 * BLOCK), (0, BLOCK)]
     assert _positions(consume(core, third, ["b"])) == [(BLOCK, 2 * BLOCK)]
+
+
+def test_dlv_5_an_earlier_step_that_owes_nothing_does_not_refuse(make_core: MakeCore) -> None:
+    """An earlier open step with no rows for the request, or only rows already delivered, does
+    not hold a later step back (DLV-5); the discarded step's positions are passed over (DLV-4)."""
+    core = make_core()
+    start(core, started("a"), started("b"))
+    first = save(core, [("a", blocks(0))]).step_id
+    empty = save(core, [("a", []), ("b", blocks(1))]).step_id  # a scheduled for 0 tokens
+    third = save(core, [("a", [8])]).step_id
+    consume(core, first)  # discarded
+    assert _positions(consume(core, third, ["a"])) == [(BLOCK, BLOCK + 1)]
+    assert _positions(consume(core, empty, ["a", "b"])) == [(BLOCK + 1, BLOCK + 1), (0, BLOCK)]
 
 
 def test_dlv_5_a_discard_of_a_later_step_is_never_refused(make_core: MakeCore) -> None:
