@@ -1,19 +1,35 @@
 """A tiny engine and an oracle for testing `OmniPrefixCacheManager` on the CPU.
 
 `Engine` plays a model runner with a paged KV cache: it keeps each request's block table and
-computed-token count, sends the step's lifecycle records, builds the write layout from the block
-tables and saves tensors whose values encode ``(slot, key, write id)``, so a stale, shifted or
-torn row reads as a different value. `Oracle` keeps what the engine last wrote to every
-(slot, key), written differently from the library: one dense tensor per key, overwritten in
-step order, with explicit zeros where a step did not emit a key (SLOT-4). At every save the engine
-computes what `materialize` must return for that step from the oracle *at save time*, so a later
-(delayed) materialize is checked against the rows of that moment (HIT-6).
+computed-token count, sends the step's lifecycle records (started, finished, aborted, preempted,
+resumed), builds the write layout from the block tables and saves tensors whose values encode
+``(slot, key, write id)``, so a stale, shifted or torn row reads as a different value. A request
+started with its tokens gets rows that are a pure function of its token prefix instead, ``(prefix
+id, key, position)``: what a model computes, so a recompute after a preemption gives the same
+rows, a hit on another request's blocks of the same tokens gives them too, and a recycled block's
+old tenant (other tokens) gives different ones.
+
+`Oracle` keeps what the engine last wrote to every (slot, key), written differently from the
+library: one dense tensor per key, overwritten in step order, with explicit zeros where a step did
+not emit a key (SLOT-4). At every save the engine computes what `materialize` must return for that
+step from the oracle *at save time*, so a later (delayed) materialize is checked against the rows
+of that moment (HIT-6).
+
+Delivery is modelled apart from the library (SPEC section 12): per admission of a request id the
+engine counts positions (DLV-1), keeps the delivery cursor and the unconsumed steps that carry
+it, predicts the positions every `materialize` hands out (DLV-2, DLV-4) or its
+`DeliveryOrderError` (DLV-5), and checks the returned `positions` (DLV-7), the rows against the
+oracle cut to those positions, and for token-bearing requests the rows against the recomputed
+value at each position (DLV-6). `Engine.delivery_violations` then checks each admission's whole
+life: every position delivered at most once and in order, and every position never delivered
+carried only by steps that were discarded or materialized without the request.
 
 `Workload` drives an engine like a scheduler with prefix caching: prompts share prefixes from a
-few families, full prompt blocks are registered in a hash table when they are scheduled, new
-requests hit the longest registered prefix, blocks are recycled least-recently-freed first, and
-requests finish, abort and sometimes come back under the same id. Nothing here decides a rule of
-the library; the helpers only feed inputs and remember what was written.
+few families, full blocks of the token sequence are registered in a hash table when they are
+scheduled, new requests hit the longest registered prompt prefix, blocks are recycled
+least-recently-freed first, requests finish, abort, are preempted (their blocks go back to the
+free list and stay registered) and resumed with a new hit, and ids come back. Nothing here decides
+a rule of the library; the helpers only feed inputs and remember what was written.
 """
 
 from __future__ import annotations
@@ -35,14 +51,17 @@ from omni_cache_core._values import TaskState
 from omni_cache_cuda import (
     HIDDEN_KEY,
     CacheStats,
+    DeliveryOrderError,
     ModelCachePolicy,
     OmniPrefixCacheManager,
+    OmniPrefixCacheUnmatchError,
     PrefixCacheConfig,
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
     StageCacheOutputs,
+    UnknownStepError,
 )
 
 __all__ = [
@@ -50,6 +69,8 @@ __all__ = [
     "DEF",
     "MM",
     "WIDE",
+    "Admission",
+    "Carry",
     "Engine",
     "Oracle",
     "Saved",
@@ -57,6 +78,7 @@ __all__ = [
     "assert_rows",
     "config",
     "encode",
+    "encode_content",
     "make_manager",
     "policy",
     "pool_mismatches",
@@ -165,20 +187,36 @@ def pool_mismatches(manager: OmniPrefixCacheManager, oracle: Oracle) -> list[str
     return bad
 
 
-def encode(key: str, slots: torch.Tensor, write: int) -> torch.Tensor:
-    """Rows for ``slots`` whose values spell out (slot, key, write id) in every element."""
+def _encode(key: str, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Rows whose values spell out (first, key, second) per row, mixed in the later columns."""
     features, dtype = ROW_SHAPES.get(key, ((3,), torch.float32))
     width = math.prod(features)
-    slots64 = slots.to(torch.float64)[:, None]
+    a = first.to(torch.float64)[:, None]
+    b = second.to(torch.float64)[:, None]
     cols = torch.arange(width, dtype=torch.float64)[None, :]
-    # Column 0 is the slot, 1 the key, 2 the write; later columns mix all three so a row
+    # Column 0 is `first`, 1 the key, 2 `second`; later columns mix all three so a row
     # stitched from two writes cannot match either.
-    rows = slots64 * 7 + write * 3 + cols * 11 + _KEY_CODES.get(key, 4) * 1000
-    rows[:, 0:1] = slots64
+    rows = a * 7 + b * 3 + cols * 11 + _KEY_CODES.get(key, 4) * 1000
+    rows[:, 0:1] = a
     rows[:, 1] = _KEY_CODES.get(key, 4)
     if width > 2:
-        rows[:, 2] = write
-    return rows.to(dtype).reshape(len(slots), *features)
+        rows[:, 2:3] = b
+    return rows.to(dtype).reshape(len(first), *features)
+
+
+def encode(key: str, slots: torch.Tensor, write: int) -> torch.Tensor:
+    """Rows for ``slots`` whose values spell out (slot, key, write id) in every element."""
+    return _encode(key, slots, torch.full((len(slots),), write, dtype=torch.int64))
+
+
+def encode_content(key: str, prefix_ids: Sequence[int], start: int) -> torch.Tensor:
+    """The rows a model computes at positions ``start, start + 1, ...`` (one per prefix id).
+
+    ``prefix_ids[i]`` names the token prefix that ends at position ``start + i``
+    (`Engine.prefix_ids`), so the value depends only on the tokens up to that position.
+    """
+    ids = torch.tensor(list(prefix_ids), dtype=torch.int64)
+    return _encode(key, ids, torch.arange(start, start + len(ids), dtype=torch.int64))
 
 
 def assert_rows(actual: Any, expected: torch.Tensor, what: str) -> None:
@@ -229,6 +267,84 @@ class Oracle:
         return bool(self.hidden_written[slots].all())
 
 
+@attrs.define(eq=False)
+class Admission:
+    """One admission of a request id (LIFE-1) as the engine's model of delivery sees it.
+
+    Attributes:
+        serial: Admissions are numbered in the order they start.
+        req: The request id.
+        prefix_ids: Per position, the id of the token prefix ending there, when the request
+            was started with its tokens (its rows are then a pure function of them); else None.
+        position: The next position a save gives the request (DLV-1).
+        state: ``"running"``, ``"preempted"`` or ``"ended"``.
+        cursor: Every position below it was handed out or passed over (DLV-2, DLV-4).
+        top: One past the highest position any step carried for it.
+        open: Unconsumed step id -> the positions ``(lo, hi)`` it carries for the admission.
+        delivered: The ``(start, end)`` each materialize handed out, when not empty.
+        dropped: The ``(lo, hi)`` of steps discarded or materialized without the request.
+        external: A step of it was consumed behind the engine's back (a test calling the
+            manager directly): its later positions are taken from the cache, not predicted.
+    """
+
+    serial: int
+    req: str
+    prefix_ids: tuple[int, ...] | None
+    position: int
+    state: str = "running"
+    cursor: int = 0
+    top: int = 0
+    open: dict[int, tuple[int, int]] = attrs.Factory(dict)
+    delivered: list[tuple[int, int]] = attrs.Factory(list)
+    dropped: list[tuple[int, int]] = attrs.Factory(list)
+    external: bool = False
+    _recomputed: dict[str, torch.Tensor] = attrs.Factory(dict)
+
+    def recomputed(self, key: str) -> torch.Tensor:
+        """The rows a full recompute gives for `key` at every position (DLV-6)."""
+        rows = self._recomputed.get(key)
+        if rows is None:
+            assert self.prefix_ids is not None, f"{self.req} was started without tokens"
+            rows = self._recomputed[key] = encode_content(key, self.prefix_ids, 0)
+        return rows
+
+
+@attrs.frozen
+class Carry:
+    """What one saved step carries for one admission.
+
+    Attributes:
+        admission: The admission.
+        lo: The first position the step carries (its hit rows, on the step that registered
+            a hit, else its own rows). On a resume step 0: the cache reads its hit from the
+            block of the cursor on (DLV-3), which is at or below the cursor whenever the step
+            is consumed, so the delivered positions are the same.
+        own: The first position of the step's own rows (after its hit rows).
+        hi: One past the last position. The step's expected rows cover ``[lo, hi)``.
+    """
+
+    admission: Admission
+    lo: int
+    own: int
+    hi: int
+
+
+@attrs.define
+class DeliveryCounts:
+    """What the engine's delivery model saw (SPEC section 12)."""
+
+    materialized: int = 0
+    discarded: int = 0
+    refused: int = 0  # DLV-5 refusals, each predicted by the model
+    left_out: int = 0  # requests of a materialized step not asked for (DLV-4)
+    delivered: int = 0  # positions handed out
+    cut: int = 0  # rows a step computed below the cursor, not handed out again (DLV-2)
+    passed_over: int = 0  # positions passed over by a step above the cursor (DLV-4)
+    empty: int = 0  # requests handed nothing new by a materialize
+    recomputed_checked: int = 0  # rows compared with the recomputed value (DLV-6)
+    external: int = 0  # steps consumed behind the engine's back
+
+
 @attrs.frozen(kw_only=True)
 class Saved:
     """A saved step and what its materialize must return.
@@ -236,12 +352,16 @@ class Saved:
     Attributes:
         step_id: The id `save_outputs` returned.
         order: The step's requests in batch order.
-        expected: Cached key -> request -> rows (hit prefix, then this step's rows).
+        expected: Cached key -> request -> rows of every position the step carries (hit
+            prefix, then this step's rows); a materialize returns their tail from the first
+            position not delivered yet (DLV-2).
         unreadable: Requests whose hidden hit cannot be served (HIT-4).
         rows: This step's rows per emitted cached key, ``[:n]``.
         slots: The step's slot per row.
         spans: Request -> its row range in the step.
         write: The write id the step's values encode.
+        carry: Request -> the positions the step carries for its admission (requests the
+            engine did not start itself are missing).
     """
 
     step_id: int
@@ -252,6 +372,7 @@ class Saved:
     slots: torch.Tensor
     spans: dict[str, tuple[int, int]]
     write: int
+    carry: dict[str, Carry] = attrs.Factory(dict)
 
 
 @attrs.define
@@ -260,11 +381,25 @@ class _Request:
     computed: int
 
 
+@attrs.frozen
+class _Plan:
+    """The model's prediction for one materialize."""
+
+    positions: dict[str, tuple[int, int]]
+    refusal: tuple[str, int, tuple[int, int]] | None  # (request, earlier step, gap)
+    certain: bool  # False when a request is not tracked: any outcome is accepted
+
+
+_ENDS = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
+
+
 class Engine:
     """A model runner in miniature: block tables, lifecycle records, layouts and saved tensors.
 
-    Use `start`, `finish` and `abort` to queue lifecycle records, then `step` (or `begin` and
-    `save`) to run a step, then `materialize` to consume it and check every returned row.
+    Use `start`, `finish`, `preempt` and `resume` to queue lifecycle records, then `step` (or
+    `begin` and `save`) to run a step, then `materialize` or `discard` to consume it:
+    `materialize` predicts the delivered positions (or the refusal), checks them and every
+    returned row. Consuming may happen on another thread than the engine's.
     """
 
     def __init__(self, manager: OmniPrefixCacheManager) -> None:
@@ -281,11 +416,53 @@ class Engine:
         # Like a model runner, the engine refills one CPU slot-mapping buffer every step and
         # hands the cache a view of it; it scribbles over it right after each save (STEP-3).
         self.slot_buffer = torch.zeros(manager.config.num_slots * 2, dtype=torch.int64)
+        # The delivery model, shared by the engine thread and a consumer thread.
+        self._model = threading.Lock()
+        self.admissions: dict[str, Admission] = {}  # live ones: running or preempted
+        self.history: list[Admission] = []
+        self._latest: dict[str, Admission] = {}  # the latest admission of each id
+        self.delivery = DeliveryCounts()
+        #: Odd while a consume is running: a reader that sees the same even value before and
+        #: after a look at the cursors saw the cursors the cache had meanwhile.
+        self.consume_seq = 0
+        self._tokens: dict[str, tuple[int, ...]] = {}
+        self._marks: set[str] = set()  # requests whose next save carries positions from 0
+        self._prefixes: dict[tuple[int, int], int] = {}
+
+    # Tokens -----------------------------------------------------------------------------------
+
+    def prefix_ids(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """Per position, an id of the token prefix ending there: equal prefixes, equal ids."""
+        ids: list[int] = []
+        table = self._prefixes
+        parent = 0
+        for token in tokens:
+            key = (parent, token)
+            parent = table.get(key, 0)
+            if not parent:
+                parent = table[key] = len(table) + 1
+            ids.append(parent)
+        return tuple(ids)
 
     # Lifecycle records ------------------------------------------------------------------------
 
-    def start(self, req: str, blocks: Sequence[int], *, hit_end: int = 0) -> None:
-        """Queue a STARTED record; a request already live is a continuation with no hit (HIT-1)."""
+    def _hit_slots(self, blocks: Sequence[int], hit_end: int) -> torch.Tensor:
+        hit_blocks = torch.tensor(list(blocks[: hit_end // self.block_size]), dtype=torch.int64)
+        return (hit_blocks[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+
+    def start(
+        self,
+        req: str,
+        blocks: Sequence[int],
+        *,
+        hit_end: int = 0,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
+        """Queue a STARTED record; a request already live is a continuation with no hit (HIT-1).
+
+        With ``tokens`` (the whole sequence the request will compute) its rows are the values a
+        model computes from them (`encode_content`) and checked against those (DLV-6).
+        """
         self.events.append(
             PrefixCacheRequestEvent(
                 req_id=req,
@@ -298,10 +475,10 @@ class Engine:
             self.reqs[req].blocks = list(blocks)
             return
         self.reqs[req] = _Request(list(blocks), hit_end)
+        if tokens is not None:
+            self._tokens[req] = tuple(tokens)
         if hit_end:
-            hit_blocks = torch.tensor(blocks[: hit_end // self.block_size], dtype=torch.int64)
-            slots = hit_blocks[:, None] * self.block_size + torch.arange(self.block_size)
-            self._pending_hits[req] = slots.reshape(-1)
+            self._pending_hits[req] = self._hit_slots(blocks, hit_end)
 
     def finish(self, req: str, *, abort: bool = False) -> None:
         """Queue a FINISHED (or ABORTED) record; the request leaves the engine at once (HIT-2)."""
@@ -310,8 +487,31 @@ class Engine:
         self.reqs.pop(req, None)
         self._pending_hits.pop(req, None)
 
+    def preempt(self, req: str) -> None:
+        """Queue a PREEMPTED record: the request's blocks are gone until it resumes (LIFE-3)."""
+        self.events.append(PrefixCacheRequestEvent(req_id=req, kind=PrefixCacheEventKind.PREEMPTED))
+        self.reqs.pop(req, None)
+        self._pending_hits.pop(req, None)
+
+    def resume(self, req: str, blocks: Sequence[int], *, hit_end: int = 0) -> None:
+        """Queue a RESUMED record: the request computes again from ``hit_end`` (LIFE-4)."""
+        self.events.append(
+            PrefixCacheRequestEvent(
+                req_id=req,
+                kind=PrefixCacheEventKind.RESUMED,
+                hit_end=hit_end,
+                block_ids=tuple(blocks),
+            )
+        )
+        self.reqs[req] = _Request(list(blocks), hit_end)
+        if hit_end:
+            self._pending_hits[req] = self._hit_slots(blocks, hit_end)
+
     def rewind(self, req: str, computed: int, blocks: Sequence[int] | None = None) -> None:
-        """Move a live request back (a preempted request that recomputes), maybe on new blocks."""
+        """Move a live request's slots back (it recomputes rows), maybe on new blocks.
+
+        The cache is not told: its positions go on counting (DLV-1).
+        """
         self.reqs[req].computed = computed
         if blocks is not None:
             self.reqs[req].blocks = list(blocks)
@@ -320,11 +520,51 @@ class Engine:
 
     def begin(self, schedule: Mapping[str, int]) -> None:
         """Send the queued records and the scheduled counts (`new_step_starts`)."""
-        step = PrefixCacheStep(events=list(self.events), scheduled_tokens=dict(schedule))
+        events = self.events
+        step = PrefixCacheStep(events=list(events), scheduled_tokens=dict(schedule))
         self.events = []
         self._hits, self._pending_hits = self._pending_hits, {}
         self._schedule = dict(schedule)
         self.m.new_step_starts(step)
+        self._apply_records(events)
+
+    def _apply_records(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
+        """The model's side of a step's records: ends and preemptions first (LIFE-2)."""
+        marks: set[str] = set()
+        with self._model:
+            for event in events:
+                if event.kind in _ENDS:
+                    ended = self.admissions.pop(event.req_id, None)
+                    if ended is not None:
+                        ended.state = "ended"
+                elif event.kind is PrefixCacheEventKind.PREEMPTED:
+                    preempted = self.admissions.get(event.req_id)
+                    if preempted is not None:
+                        preempted.state = "preempted"
+            for event in events:
+                req = event.req_id
+                if event.kind is PrefixCacheEventKind.STARTED:
+                    tokens = self._tokens.pop(req, None)
+                    if req in self.admissions:
+                        continue  # a continuation (HIT-1)
+                    admission = Admission(
+                        serial=len(self.history),
+                        req=req,
+                        prefix_ids=None if tokens is None else self.prefix_ids(tokens),
+                        position=event.hit_end,
+                    )
+                    self.admissions[req] = admission
+                    self._latest[req] = admission
+                    self.history.append(admission)
+                    if event.hit_end:
+                        marks.add(req)
+                elif event.kind is PrefixCacheEventKind.RESUMED:
+                    resumed = self.admissions.get(req)
+                    if resumed is not None:
+                        resumed.state = "running"
+                        resumed.position = event.hit_end
+                        marks.add(req)
+        self._marks = marks
 
     def layout(self) -> tuple[PrefixCacheWriteLayout, torch.Tensor]:
         """The step's layout from the block tables, and the slots computed here independently."""
@@ -343,6 +583,25 @@ class Engine:
                 slots.append(state.blocks[pos // self.block_size] * self.block_size)
                 slots[-1] += pos % self.block_size
         return layout, torch.tensor(slots, dtype=torch.int64)
+
+    def _rows(self, key: str, slots: torch.Tensor, write: int) -> torch.Tensor:
+        """The step's rows of `key`: what a model computes from the tokens of requests started
+        with them (`encode_content`), else values that spell (slot, key, write)."""
+        parts: list[torch.Tensor] = []
+        row = 0
+        for req, count in self._schedule.items():
+            admission = self.admissions.get(req)
+            if admission is None or admission.prefix_ids is None:
+                part = encode(key, slots[row : row + count], write)
+            else:
+                at = self.reqs[req].computed
+                part = admission.recomputed(key)[at : at + count]
+                assert len(part) == count, f"{req}: no tokens beyond position {at + len(part)}"
+            parts.append(part)
+            row += count
+        if len(parts) == 1:
+            return parts[0].clone()
+        return torch.cat(parts) if parts else encode(key, slots, write)
 
     def save(
         self,
@@ -366,7 +625,7 @@ class Engine:
         # A step without rows caches nothing; its mm values would all be leftover.
         emit = tuple(emit) if n else ()
         pad = set(pad)
-        rows = {key: encode(key, slots, write) for key in (HIDDEN_KEY, *emit)}
+        rows = {key: self._rows(key, slots, write) for key in (HIDDEN_KEY, *emit)}
 
         def padded_rows(key: str) -> torch.Tensor:
             if padded is None or (key != HIDDEN_KEY and key not in pad):
@@ -408,6 +667,20 @@ class Engine:
         for req, count in self._schedule.items():
             self.reqs[req].computed += count
         self._hits = {}
+        carry: dict[str, Carry] = {}
+        with self._model:
+            for req, (start, end) in spans.items():
+                admission = self.admissions.get(req)
+                if admission is None:
+                    continue  # started behind the engine's back: not tracked
+                before = admission.position
+                hi = before + end - start
+                lo = 0 if req in self._marks else before
+                admission.position = hi
+                admission.top = max(admission.top, hi)
+                admission.open[step_id] = (lo, hi)
+                carry[req] = Carry(admission, lo, before, hi)
+        self._marks = set()
         return Saved(
             step_id=step_id,
             order=tuple(spans),
@@ -417,6 +690,7 @@ class Engine:
             slots=slots,
             spans=spans,
             write=write,
+            carry=carry,
         )
 
     def step(self, schedule: Mapping[str, int], **save_args: Any) -> Saved:
@@ -426,6 +700,100 @@ class Engine:
 
     # Consuming --------------------------------------------------------------------------------
 
+    def cursor(self, req: str) -> int | None:
+        """The model's delivery cursor of the request's live admission (None if not live)."""
+        with self._model:
+            admission = self.admissions.get(req)
+            return None if admission is None else admission.cursor
+
+    def open_steps_of(self, req: str) -> int:
+        """How many steps of the request id's latest admission are still open."""
+        with self._model:
+            admission = self._latest.get(req)
+            return 0 if admission is None else len(admission.open)
+
+    def _core_open_steps(self) -> set[int]:
+        """The step ids the cache still holds open (a test-only peek under its state lock)."""
+        with self.m._lock:
+            return set(self.m._core._steps)
+
+    def _plan(self, saved: Saved, reqs: Sequence[str]) -> _Plan:
+        """Predict what materializing ``reqs`` of ``saved`` hands out (DLV-2, DLV-4, DLV-5)."""
+        positions: dict[str, tuple[int, int]] = {}
+        refusal: tuple[str, int, tuple[int, int]] | None = None
+        certain = True
+        core_open: set[int] | None = None
+        with self._model:
+            for req in reqs:
+                carry = saved.carry.get(req)
+                if carry is None or carry.admission.external:
+                    certain = False
+                    continue
+                admission = carry.admission
+                cursor = admission.cursor
+                if carry.lo > cursor:
+                    if core_open is None:
+                        core_open = self._core_open_steps()
+                        self._forget_external(core_open)
+                    earlier = [
+                        step_id
+                        for step_id, (_, hi) in sorted(admission.open.items())
+                        if step_id < saved.step_id and hi > cursor
+                    ]
+                    if earlier and refusal is None:
+                        refusal = (req, earlier[0], (cursor, carry.lo))
+                    if admission.external:
+                        certain = False
+                        continue
+                start = max(carry.lo, cursor)
+                positions[req] = (start, max(carry.hi, start))
+        return _Plan(positions, refusal, certain)
+
+    def _forget_external(self, core_open: set[int]) -> None:
+        """Steps the model holds open that the cache ended were consumed behind its back."""
+        for admission in self.admissions.values():
+            gone = [step_id for step_id in admission.open if step_id not in core_open]
+            for step_id in gone:
+                del admission.open[step_id]
+                admission.external = True
+                self.delivery.external += 1
+
+    def _end(self, saved: Saved, positions: Mapping[str, tuple[int, int]] | None) -> None:
+        """The model's side of a consume: cursors move, the step is no longer open."""
+        counts = self.delivery
+        with self._model:
+            for req in saved.order:
+                carry = saved.carry.get(req)
+                if carry is None:
+                    continue
+                admission = carry.admission
+                admission.open.pop(saved.step_id, None)
+                if positions is not None and req in positions:
+                    start, end = positions[req]
+                    counts.passed_over += max(0, carry.lo - admission.cursor)
+                    if end > start:
+                        admission.delivered.append((start, end))
+                        counts.delivered += end - start
+                    else:
+                        counts.empty += 1
+                    counts.cut += max(0, min(start, carry.hi) - carry.own)
+                    admission.cursor = max(admission.cursor, carry.hi)
+                else:
+                    if positions is not None:
+                        counts.left_out += 1
+                    if carry.hi > carry.lo:
+                        admission.dropped.append((carry.lo, carry.hi))
+
+    def discard(self, saved: Saved) -> None:
+        """Discard a saved step: not delivery, no cursor moves (DLV-4)."""
+        self.consume_seq += 1
+        try:
+            self.m.discard_step(saved.step_id)
+            self._end(saved, None)
+            self.delivery.discarded += 1
+        finally:
+            self.consume_seq += 1
+
     def check(
         self,
         out: StageCacheOutputs,
@@ -433,9 +801,32 @@ class Engine:
         req_ids: Sequence[str] | None = None,
         *,
         leftover: Iterable[str] = (),
+        positions: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
-        """Assert ``out`` holds exactly the expected rows of the requested requests."""
+        """Assert ``out`` holds exactly the expected rows of the requested requests.
+
+        ``positions`` are the predicted delivered positions (DLV-7); each request's rows are the
+        tail of its expected rows from its delivered start (DLV-2), and rows of a request with
+        tokens equal the recomputed values at their positions (DLV-6).
+        """
         reqs = list(saved.order if req_ids is None else req_ids)
+        assert set(out.positions) == set(reqs), f"positions for {sorted(out.positions)}"
+        got = {req: tuple(out.positions[req]) for req in reqs}
+        for req, (start, end) in got.items():
+            carry = saved.carry.get(req)
+            if positions is not None and req in positions:
+                assert got[req] == positions[req], (
+                    f"step {saved.step_id}: {req} got positions {got[req]}, "
+                    f"expected {positions[req]}"
+                )
+            if carry is not None and end > start:
+                assert end == carry.hi and start >= carry.lo, (req, got[req], carry.lo, carry.hi)
+
+        def want(key: str, req: str) -> torch.Tensor:
+            rows = saved.expected[key][req]
+            start, end = got[req]
+            return rows[len(rows) - (end - start) :]
+
         hidden = saved.expected.get(HIDDEN_KEY)
         if hidden is None:
             assert out.hidden_states is None or not saved.rows, "hidden returned though not cached"
@@ -443,22 +834,134 @@ class Engine:
             assert out.hidden_states is not None, "hidden states missing"
             assert set(out.hidden_states) == set(reqs), sorted(out.hidden_states)
             for req in reqs:
-                assert_rows(out.hidden_states[req], hidden[req], f"hidden of {req}")
+                assert_rows(out.hidden_states[req], want(HIDDEN_KEY, req), f"hidden of {req}")
         mm_keys = {k for k in saved.expected if k != HIDDEN_KEY}
         assert set(out.mm_outputs) == mm_keys | set(leftover), sorted(out.mm_outputs)
         for key in mm_keys:
             assert set(out.mm_outputs[key]) == set(reqs), (key, sorted(out.mm_outputs[key]))
             for req in reqs:
-                assert_rows(out.mm_outputs[key][req], saved.expected[key][req], f"{key} of {req}")
+                assert_rows(out.mm_outputs[key][req], want(key, req), f"{key} of {req}")
+        for req in reqs:
+            carry = saved.carry.get(req)
+            if carry is not None and carry.admission.prefix_ids is not None:
+                self._check_recomputed(out, carry.admission, req, *got[req], mm_keys)
+
+    def _check_recomputed(
+        self,
+        out: StageCacheOutputs,
+        admission: Admission,
+        req: str,
+        start: int,
+        end: int,
+        mm_keys: Iterable[str],
+    ) -> None:
+        """DLV-6: each delivered row is what a full recompute gives at its position.
+
+        Hidden rows exactly; an mm row is that value or zeros (a sparse key its writer's step
+        did not emit, SLOT-4).
+        """
+        if out.hidden_states is not None:
+            assert_rows(
+                out.hidden_states[req],
+                admission.recomputed(HIDDEN_KEY)[start:end],
+                f"recomputed hidden of {req} at {start}..{end}",
+            )
+        for key in mm_keys:
+            got = out.mm_outputs[key][req]
+            recomputed = admission.recomputed(key)[start:end]
+            if torch.equal(got, recomputed):
+                continue
+            ok = (got == recomputed).flatten(1).all(dim=1) | (got == 0).flatten(1).all(dim=1)
+            assert bool(ok.all()), f"{key} of {req} at {start}..{end}: not the recomputed rows"
+        self.delivery.recomputed_checked += end - start
 
     def materialize(
         self, saved: Saved, req_ids: Sequence[str] | None = None, **check_args: Any
     ) -> StageCacheOutputs:
-        """Materialize a saved step and check every returned row against the oracle."""
+        """Materialize a saved step and check the positions and every returned row.
+
+        Raises what the cache raises: a `DeliveryOrderError` only where the model predicted
+        one, naming the same request, earlier step and gap (DLV-5).
+        """
         reqs = list(saved.order if req_ids is None else req_ids)
-        out = self.m.materialize(saved.step_id, reqs)
-        self.check(out, saved, reqs, **check_args)
+        plan = self._plan(saved, reqs)
+        self.consume_seq += 1
+        try:
+            try:
+                out = self.m.materialize(saved.step_id, reqs)
+            except DeliveryOrderError as exc:
+                if plan.certain:
+                    assert plan.refusal is not None, f"step {saved.step_id}: unexpected {exc!r}"
+                    got = (exc.req_id, exc.earlier_step_id, exc.gap)
+                    assert got == plan.refusal, f"{exc!r}: expected {plan.refusal}"
+                    assert exc.step_id == saved.step_id
+                self.delivery.refused += 1
+                raise
+            except UnknownStepError:
+                raise  # nothing changed (STEP-2)
+            except OmniPrefixCacheUnmatchError:
+                self._end(saved, None)  # consumed without delivery (STEP-4, HIT-4)
+                raise
+            if plan.certain:
+                assert plan.refusal is None, (
+                    f"step {saved.step_id}: expected DeliveryOrderError {plan.refusal}"
+                )
+            positions = dict(plan.positions)
+            for req in reqs:
+                positions.setdefault(req, tuple(out.positions[req]))  # untracked
+            self._end(saved, positions)
+            self.delivery.materialized += 1
+        finally:
+            self.consume_seq += 1
+        self.check(out, saved, reqs, positions=plan.positions, **check_args)
         return out
+
+    def delivery_violations(self) -> list[str]:
+        """Check every admission's whole life once all its steps are consumed (DLV-2, DLV-4).
+
+        Each position was delivered at most once and in position order; a position never
+        delivered was carried by a step that was discarded or materialized without the request;
+        an admission none of whose steps was dropped got every position from 0 to its highest.
+        """
+        bad: list[str] = []
+        with self._model:
+            for admission in self.history:
+                name = f"{admission.req}#{admission.serial}"
+                if admission.open:
+                    bad.append(f"{name}: steps {sorted(admission.open)} never consumed")
+                if admission.external:
+                    continue
+                last = 0
+                seen = np.zeros(admission.top, dtype=np.int64)
+                for start, end in admission.delivered:
+                    if start < last:
+                        bad.append(f"{name}: {start, end} delivered after position {last}")
+                    last = end
+                    seen[start:end] += 1
+                if (seen > 1).any():
+                    bad.append(f"{name}: positions {np.flatnonzero(seen > 1)[:8]} twice")
+                dropped = np.zeros(admission.top, dtype=bool)
+                for lo, hi in admission.dropped:
+                    dropped[lo:hi] = True
+                missing = np.flatnonzero((seen == 0) & ~dropped)
+                if len(missing):
+                    bad.append(f"{name}: positions {missing[:8].tolist()} never delivered")
+        return bad
+
+    def lost_and_recovered(self) -> tuple[int, int]:
+        """Positions never delivered, and positions of dropped steps delivered later (DLV-4)."""
+        lost = recovered = 0
+        with self._model:
+            for admission in self.history:
+                seen = np.zeros(admission.top, dtype=bool)
+                for start, end in admission.delivered:
+                    seen[start:end] = True
+                dropped = np.zeros(admission.top, dtype=bool)
+                for lo, hi in admission.dropped:
+                    dropped[lo:hi] = True
+                lost += int((~seen).sum())
+                recovered += int((seen & dropped).sum())
+        return lost, recovered
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,10 +970,12 @@ class Engine:
 
 @attrs.define
 class _Live:
-    prompt: tuple[int, ...]
-    total: int  # prompt plus decode tokens
+    tokens: tuple[int, ...]  # the prompt, then the tokens the request generates
+    ids: tuple[int, ...]  # per position, the id of the token prefix ending there
+    prompt: int  # prompt length
     blocks: list[int]
-    hit_blocks: int
+    prefill_end: int  # below it the request computes chunks, from it one token a step
+    computed: int = 0  # while preempted: how far it had computed
 
 
 @attrs.define
@@ -489,23 +994,60 @@ class WorkloadCounts:
     discarded: int = 0
     checked_rows: int = 0
     sparse_steps: int = 0
+    preemptions: int = 0
+    resumes: int = 0
+    #: Resumes by their hit against what was delivered when the cache applied the record:
+    #: no hit, a hit below, at and above the delivery cursor (DLV-3), and resumes during which
+    #: a consume ran (the cursor the cache saw is then not known exactly).
+    resume_zero: int = 0
+    resume_below: int = 0
+    resume_equal: int = 0
+    resume_above: int = 0
+    resume_unclassified: int = 0
+    #: Resume hits beyond the prompt (the request's own generated blocks stayed cached).
+    resume_beyond_prompt: int = 0
+    #: Resume hits on a block another request computes in that very step (HIT-5).
+    resume_same_step_hits: int = 0
+    #: Requests preempted and resumed in one step (LIFE-2).
+    same_step_resumes: int = 0
+    preempted_finishes: int = 0
+    preempted_aborts: int = 0
+    #: Ids started again while a step of their previous admission was still open (LIFE-1).
+    reuses_with_open_steps: int = 0
+    #: Materializes refused for a gap an earlier unconsumed step carries (DLV-5), retried later.
+    refusals: int = 0
+
+
+_Item = tuple[Saved, list[str] | None, bool]
 
 
 class Workload:
     """Drive an engine like a vLLM-style scheduler with prefix caching (see the module doc).
 
     Every step: finish requests that are done and abort a few at random (their blocks go back to
-    the free list); schedule a prefill chunk or one decode token for each running request, now
-    and then none (the request stays in the layout with no rows); admit new requests, which hit
-    the longest prefix of full prompt blocks registered in the hash table (also blocks another
-    request computes in this very step, HIT-5), capped so at least one prompt token is computed;
-    register the full prompt blocks a chunk computes; emit `MM` and `DEF` on most steps only
-    (sparse keys, SLOT-4). New blocks come from the free list's oldest end like vLLM, or
-    (``mru_p``) its newest end, which reuses slots whose writes or delayed reads are still
-    pending. Each saved step is consumed one to ``max_lag`` steps late, on a builder thread when
+    the free list); preempt running requests at random (``preempt_p``: blocks back to the free
+    list, in reverse so the tail is evicted first, still registered for hits) and end some
+    preempted ones (``end_preempted_p``, finished or aborted); schedule a prefill chunk or one
+    decode token for each running request, now and then none (the request stays in the layout
+    with no rows); resume preempted requests (``resume_p``) with the longest registered prefix
+    of the tokens they know as their hit, or (``cut_hit_p``) a random shorter one, or
+    (``aim_hit_p``) one ending where one of their recent steps ended, so resume hits fall below,
+    at and above what the builder has delivered; admit new requests, which hit the longest
+    prefix of full prompt blocks registered in the hash table (also blocks another request
+    computes in this very step, HIT-5), capped so at least one prompt token is computed;
+    register every full block a chunk computes (generated tokens too, so a resume can hit beyond
+    the prompt); emit `MM` and `DEF` on most steps only (sparse keys, SLOT-4). Each request
+    carries its whole token sequence, so its rows are functions of its token prefix. New blocks
+    come from the free list's oldest end like vLLM, or (``mru_p``) its newest end, which reuses
+    slots whose writes or delayed reads are still pending.
+
+    Each saved step is consumed one to ``max_lag`` steps late, on a builder thread when
     ``builder`` is set, by `materialize` (a random subset of its requests at times) or
-    `discard_step`, and checked against the oracle; every ``check_pool_every`` steps the
-    committed pool rows are compared with it too.
+    `discard_step`, and checked against the oracle and the engine's delivery model. A
+    materialize refused with `DeliveryOrderError` changes nothing: the builder keeps the step
+    and tries it again after consuming another (the earlier step it waits for arrives within
+    ``max_lag`` steps). Every ``check_pool_every`` steps the committed pool rows are compared with
+    the oracle too; `close` checks every admission's delivered positions.
     """
 
     def __init__(
@@ -515,6 +1057,7 @@ class Workload:
         seed: int,
         max_running: int = 4,
         max_chunk: int = 6,
+        max_decode: int = 4,
         families: int = 3,
         abort_p: float = 0.04,
         reuse_p: float = 0.1,
@@ -522,6 +1065,11 @@ class Workload:
         discard_p: float = 0.08,
         subset_p: float = 0.15,
         idle_p: float = 0.04,
+        preempt_p: float = 0.0,
+        resume_p: float = 0.5,
+        end_preempted_p: float = 0.0,
+        cut_hit_p: float = 0.0,
+        aim_hit_p: float = 0.0,
         max_lag: int = 1,
         mru_p: float = 0.5,
         check_pool_every: int = 0,
@@ -532,12 +1080,18 @@ class Workload:
         self.block_size = engine.block_size
         self.max_running = max_running
         self.max_chunk = max_chunk
+        self.max_decode = max_decode
         self.abort_p = abort_p
         self.reuse_p = reuse_p
         self.sparse_p = sparse_p
         self.discard_p = discard_p
         self.subset_p = subset_p
         self.idle_p = idle_p
+        self.preempt_p = preempt_p
+        self.resume_p = resume_p
+        self.end_preempted_p = end_preempted_p
+        self.cut_hit_p = cut_hit_p
+        self.aim_hit_p = aim_hit_p
         self.max_lag = max_lag
         self.mru_p = mru_p
         self.check_pool_every = check_pool_every
@@ -547,18 +1101,23 @@ class Workload:
         num_blocks = engine.m.config.num_blocks
         self.free: collections.deque[int] = collections.deque(range(num_blocks))
         self.ref = [0] * num_blocks
-        self.block_hash: dict[int, tuple[int, ...]] = {}
-        self.hash_block: dict[tuple[int, ...], int] = {}
+        self.block_hash: dict[int, int] = {}
+        self.hash_block: dict[int, int] = {}
         self.written = [False] * num_blocks
         self.live: dict[str, _Live] = {}
+        self.waiting: dict[str, _Live] = {}  # preempted, oldest first
         self.counts = WorkloadCounts()
         self.errors: list[str] = []
         self.outputs: list[tuple[int, dict[str, Any]]] = []
         self._next_req = 0
         self._next_token = 1_000_000
+        self._producing: set[int] = set()
+        self._preempted_now: set[str] = set()
         # Saved steps waiting to be consumed, each with the step count at which it is due.
-        self._late: list[tuple[int, tuple[Saved, list[str] | None, bool]]] = []
-        self._queue: queue.Queue[tuple[Saved, list[str] | None, bool] | None] = queue.Queue()
+        self._late: list[tuple[int, _Item]] = []
+        # Steps the consumer was handed and has not consumed (refused for now), oldest first.
+        self._backlog: list[_Item] = []
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._builder = (
             threading.Thread(target=self._build_loop, name="output-builder", daemon=True)
             if builder
@@ -587,9 +1146,27 @@ class Workload:
             if self.ref[block] == 0:
                 self.free.append(block)
 
-    def _hashes(self, prompt: tuple[int, ...]) -> list[tuple[int, ...]]:
-        full = len(prompt) // self.block_size
-        return [prompt[: (i + 1) * self.block_size] for i in range(full)]
+    def _cached_blocks(self, ids: tuple[int, ...], limit: int) -> int:
+        """How many leading full blocks of a token sequence are registered, at most `limit`."""
+        size = self.block_size
+        count = 0
+        while count < limit and ids[(count + 1) * size - 1] in self.hash_block:
+            count += 1
+        return count
+
+    def _take_blocks(self, ids: tuple[int, ...], hit: int, total: int) -> list[int] | None:
+        """The first `hit` registered blocks of `ids` plus fresh blocks up to `total` tokens."""
+        size = self.block_size
+        hit_blocks = [self.hash_block[ids[(i + 1) * size - 1]] for i in range(hit)]
+        needed = -(-total // size) - hit
+        free_for_new = len(self.free) - sum(1 for b in hit_blocks if self.ref[b] == 0)
+        if needed > free_for_new:
+            return None
+        for block in hit_blocks:
+            if self.ref[block] == 0:
+                self.free.remove(block)
+            self.ref[block] += 1
+        return hit_blocks + [self._alloc() for _ in range(needed)]
 
     # One step ---------------------------------------------------------------------------------
 
@@ -598,7 +1175,7 @@ class Workload:
         engine = self.engine
         for req in list(self.live):
             state = self.live[req]
-            done = engine.reqs[req].computed >= state.total
+            done = engine.reqs[req].computed >= len(state.tokens)
             if done or self.rng.random() < self.abort_p:
                 engine.finish(req, abort=not done)
                 self._release(state.blocks)
@@ -608,39 +1185,93 @@ class Workload:
                     self.counts.finishes += 1
                 else:
                     self.counts.aborts += 1
+        for req in list(self.waiting):
+            chance = self.rng.random()
+            if chance < self.end_preempted_p:
+                abort = chance < self.end_preempted_p / 2
+                engine.finish(req, abort=abort)  # LIFE-2: a preempted request may end
+                del self.waiting[req]
+                ended.append(req)
+                if abort:
+                    self.counts.preempted_aborts += 1
+                else:
+                    self.counts.preempted_finishes += 1
         return ended
+
+    def _preempt(self) -> None:
+        self._preempted_now = set()
+        for req in list(self.live):
+            computed = self.engine.reqs[req].computed
+            # vLLM preempts a request when it needs a new block and none is free: most often
+            # at a block boundary.
+            boundary = computed % self.block_size == 0
+            if self.rng.random() >= self.preempt_p * (4 if boundary else 1):
+                continue
+            state = self.live.pop(req)
+            state.computed = computed
+            self.engine.preempt(req)
+            self._release(reversed(state.blocks))  # like vLLM: the tail is evicted first
+            state.blocks = []
+            self.waiting[req] = state
+            self._preempted_now.add(req)
+            self.counts.preemptions += 1
+
+    def _resume(self, req: str, schedule: dict[str, int]) -> int | None:
+        """Resume a preempted request with a new hit; None when its blocks do not fit."""
+        rng = self.rng
+        state = self.waiting[req]
+        # The tokens it knows: its prompt, or what it computed plus the token it sampled last.
+        known = max(state.prompt, state.computed + 1)
+        longest = self._cached_blocks(state.ids, (known - 1) // self.block_size)
+        chance = rng.random()
+        if chance < self.cut_hit_p:
+            hit = rng.randint(0, longest)
+        elif chance < self.cut_hit_p + self.aim_hit_p:
+            # At what the builder delivered, once it consumed what it was handed (an engine
+            # that knows its consumer's progress); a cursor inside a block gives a hit below it.
+            self._wait_for_builder()
+            hit = min(longest, (self.engine.cursor(req) or 0) // self.block_size)
+        else:
+            hit = longest
+        blocks = self._take_blocks(state.ids, hit, len(state.tokens))
+        if blocks is None:
+            return None
+        hit_end = hit * self.block_size
+        self.engine.resume(req, blocks, hit_end=hit_end)
+        state.blocks = blocks
+        state.prefill_end = known
+        self.live[req] = self.waiting.pop(req)
+        counts = self.counts
+        counts.resumes += 1
+        counts.same_step_resumes += req in self._preempted_now
+        counts.resume_beyond_prompt += hit_end > state.prompt
+        counts.resume_same_step_hits += any(b in self._producing for b in blocks[:hit])
+        self._schedule_one(req, schedule)
+        return hit_end
 
     def _admit(self, req: str, schedule: dict[str, int]) -> bool:
         rng = self.rng
         family = self.families[rng.randrange(len(self.families))]
         shared = rng.randrange(0, len(family) // self.block_size + 1) * self.block_size
         tail = rng.randint(1, 2 * self.block_size + 1)
-        prompt = family[:shared] + tuple(range(self._next_token, self._next_token + tail))
-        total = len(prompt) + rng.randint(0, 4)
-        hashes = self._hashes(prompt)
-        hit: list[int] = []
-        for h in hashes[: (len(prompt) - 1) // self.block_size]:
-            block = self.hash_block.get(h)
-            if block is None:
-                break
-            hit.append(block)
-        needed = -(-total // self.block_size) - len(hit)
-        free_for_new = len(self.free) - sum(1 for b in hit if self.ref[b] == 0)
-        if needed > free_for_new:
+        decode = rng.randint(0, self.max_decode)
+        fresh = self._next_token
+        prompt = family[:shared] + tuple(range(fresh, fresh + tail))
+        tokens = prompt + tuple(range(fresh + tail, fresh + tail + decode))
+        ids = self.engine.prefix_ids(tokens)
+        hit = self._cached_blocks(ids, (len(prompt) - 1) // self.block_size)
+        blocks = self._take_blocks(ids, hit, len(tokens))
+        if blocks is None:
             return False
-        self._next_token += tail
-        for block in hit:
-            if self.ref[block] == 0:
-                self.free.remove(block)
-            self.ref[block] += 1
-        blocks = hit + [self._alloc() for _ in range(needed)]
-        hit_end = len(hit) * self.block_size
-        self.engine.start(req, blocks, hit_end=hit_end)
-        self.live[req] = _Live(prompt, total, blocks, len(hit))
+        self._next_token += tail + decode
+        hit_end = hit * self.block_size
+        self.counts.reuses_with_open_steps += self.engine.open_steps_of(req) > 0
+        self.engine.start(req, blocks, hit_end=hit_end, tokens=tokens)
+        self.live[req] = _Live(tokens, ids, len(prompt), blocks, len(prompt))
         if hit:
             self.counts.hit_requests += 1
             self.counts.hit_rows += hit_end
-            if any(b in self._producing for b in hit):
+            if any(b in self._producing for b in blocks[:hit]):
                 self.counts.same_step_hits += 1
         self._schedule_one(req, schedule)
         return True
@@ -650,29 +1281,44 @@ class Workload:
         computed = self.engine.reqs[req].computed
         if self.rng.random() < self.idle_p:
             count = 0  # in the layout with no rows this step
-        elif computed < len(state.prompt):
-            count = min(self.rng.randint(1, self.max_chunk), len(state.prompt) - computed)
+        elif computed < state.prefill_end:
+            count = min(self.rng.randint(1, self.max_chunk), state.prefill_end - computed)
         else:
             count = 1
         schedule[req] = count
-        hashes = self._hashes(state.prompt)
-        for i in range(computed // self.block_size, (computed + count) // self.block_size):
+        size = self.block_size
+        for i in range(computed // size, (computed + count) // size):
             block = state.blocks[i]
             self._producing.add(block)
-            if i < len(hashes) and hashes[i] not in self.hash_block:
-                self.hash_block[hashes[i]] = block
-                self.block_hash[block] = hashes[i]
+            key = state.ids[(i + 1) * size - 1]
+            if key not in self.hash_block:
+                self.hash_block[key] = block
+                self.block_hash[block] = key
         for pos in range(computed, computed + count):
-            self.written[state.blocks[pos // self.block_size]] = True
+            self.written[state.blocks[pos // size]] = True
 
     def step(self) -> None:
-        """Run one engine step and hand the previous step to the consumer."""
+        """Run one engine step and hand the steps that are due to the consumer."""
         rng = self.rng
+        engine = self.engine
         ended = self._end_requests()
-        self._producing: set[int] = set()
+        self._producing = set()
+        if self.preempt_p:
+            self._preempt()
         schedule: dict[str, int] = {}
         for req in self.live:
             self._schedule_one(req, schedule)
+        resumed: list[tuple[str, int]] = []
+        for req in list(self.waiting):  # preempted requests come back before new ones
+            if len(self.live) >= self.max_running:
+                break
+            # Now and then a request preempted in this very step comes back in it (LIFE-2).
+            back = req not in self._preempted_now or rng.random() < 0.2
+            if back and rng.random() < self.resume_p:
+                hit_end = self._resume(req, schedule)
+                if hit_end is None:
+                    break
+                resumed.append((req, hit_end))
         while len(self.live) < self.max_running and rng.random() < 0.7:
             if ended and rng.random() < self.reuse_p:
                 req = ended.pop()  # HIT-2: finished and admitted again in one step
@@ -685,8 +1331,13 @@ class Workload:
         emit = [key for key in (MM, DEF) if rng.random() >= self.sparse_p]
         if len(emit) < 2:
             self.counts.sparse_steps += 1
-        self.engine.begin(schedule)
-        saved = self.engine.save(emit=emit)
+        seq = engine.consume_seq
+        cursors = [engine.cursor(req) for req, _ in resumed]
+        engine.begin(schedule)
+        if resumed:
+            exact = seq % 2 == 0 and cursors == [engine.cursor(req) for req, _ in resumed]
+            self._classify(resumed, cursors, exact and engine.consume_seq == seq)
+        saved = engine.save(emit=emit)
         self.counts.steps += 1
         subset: list[str] | None = None
         discard = rng.random() < self.discard_p
@@ -701,41 +1352,84 @@ class Workload:
         for item in due:
             self._consume(item)
         if self.check_pool_every and self.counts.steps % self.check_pool_every == 0:
-            self.errors.extend(pool_mismatches(self.engine.m, self.engine.oracle))
+            self.errors.extend(pool_mismatches(engine.m, engine.oracle))
 
-    def _consume(self, item: tuple[Saved, list[str] | None, bool]) -> None:
+    def _classify(
+        self, resumed: list[tuple[str, int]], cursors: list[int | None], exact: bool
+    ) -> None:
+        """Count each resume's hit against the cursor the cache had when it applied it."""
+        counts = self.counts
+        for (_, hit_end), cursor in zip(resumed, cursors, strict=True):
+            if not exact or cursor is None:
+                counts.resume_unclassified += 1
+            elif hit_end == 0:
+                counts.resume_zero += 1
+            elif hit_end < cursor:
+                counts.resume_below += 1
+            elif hit_end == cursor:
+                counts.resume_equal += 1
+            else:
+                counts.resume_above += 1
+
+    # Consuming --------------------------------------------------------------------------------
+
+    def _wait_for_builder(self) -> None:
+        """Wait until the builder thread consumed (or holds back) every step it was handed."""
+        if self._builder is not None:
+            assert wait_for(lambda: self._queue.unfinished_tasks == 0), "the builder is stuck"
+
+    def _consume(self, item: _Item) -> None:
         if self._builder is not None:
             self._queue.put(item)
         else:
-            self._run(item)
+            self._take(item)
 
-    def _run(self, item: tuple[Saved, list[str] | None, bool]) -> None:
+    def _take(self, item: _Item) -> None:
+        """Consume a step, and every step a refusal held back that can go now (DLV-5)."""
+        backlog = self._backlog
+        backlog.append(item)
+        at = 0
+        while at < len(backlog):
+            if self._run(backlog[at]):
+                del backlog[at]
+                at = 0  # an earlier refused step may go now
+            else:
+                at += 1
+
+    def _run(self, item: _Item) -> bool:
+        """Consume one step; False when the cache refused it for now (DLV-5)."""
         saved, subset, discard = item
         engine = self.engine
         try:
             if discard:
-                engine.m.discard_step(saved.step_id)
+                engine.discard(saved)
                 self.counts.discarded += 1
-                return
+                return True
             out = engine.materialize(saved, subset)
-            reqs = saved.order if subset is None else subset
-            self.counts.materialized += 1
-            self.counts.checked_rows += sum(
-                len(rows[r]) for rows in saved.expected.values() for r in reqs
-            )
-            self.outputs.append((saved.step_id, _plain(out)))
+        except DeliveryOrderError:
+            self.counts.refusals += 1  # nothing changed: try again after another step
+            return False
         except BaseException as exc:  # every failure is reported to the test
             self.errors.append(f"step {saved.step_id} (write {saved.write}): {exc!r}")
+            return True
+        self.counts.materialized += 1
+        keys = len(out.mm_outputs) + (out.hidden_states is not None)
+        self.counts.checked_rows += keys * sum(end - start for start, end in out.positions.values())
+        self.outputs.append((saved.step_id, _plain(out)))
+        return True
 
     def _build_loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            self._run(item)
+            try:
+                self._take(item)
+            finally:
+                self._queue.task_done()
 
     def close(self) -> None:
-        """Consume what is left and stop the builder thread."""
+        """Consume what is left, stop the builder thread, check every admission's delivery."""
         late, self._late = self._late, []
         for _, item in late:
             self._consume(item)
@@ -743,13 +1437,17 @@ class Workload:
             self._queue.put(None)
             self._builder.join(60)
             assert not self._builder.is_alive(), "the output builder did not stop"
+        if self._backlog:
+            ids = [saved.step_id for saved, _, _ in self._backlog]
+            self.errors.append(f"steps {ids} were refused and never consumed")
+        self.errors.extend(self.engine.delivery_violations())
         if self.check_pool_every:
             self.errors.extend(pool_mismatches(self.engine.m, self.engine.oracle))
 
 
 def _plain(out: StageCacheOutputs) -> dict[str, Any]:
     """A materialized output as nested dicts of lists, for comparing runs."""
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"positions": dict(out.positions)}
     if out.hidden_states is not None:
         result[HIDDEN_KEY] = {r: t.tolist() for r, t in out.hidden_states.items()}
     for key, per_req in out.mm_outputs.items():
