@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,6 +26,8 @@ import torch
 
 from omni_cache_core import TensorName, Tid
 from omni_cache_core._values import CopyLanded, CopyStarted, Report, WriteFailed, WriteLanded
+from omni_cache_cuda._log import log
+from omni_cache_cuda._nvtx import RangeFn, no_ranges
 from omni_cache_cuda._storage import HostPool, StagingPages
 
 __all__ = ["Chunk", "Committer", "JobStage", "Signal", "WriteJob"]
@@ -154,6 +157,8 @@ class Committer:
         threaded: Run jobs on a daemon thread (True) or in the caller's thread (False).
         copy_stream: CUDA stream for deferred device-to-host copies, or None.
         copy_chunk_bytes: Largest piece of one deferred copy (BUDGET-3).
+        cache_id: The manager's number in log lines.
+        ranges: Opens the NVTX ranges of the copy, the pool write and the waits.
     """
 
     def __init__(
@@ -166,6 +171,8 @@ class Committer:
         threaded: bool,
         copy_stream: Any = None,
         copy_chunk_bytes: int,
+        cache_id: int = 0,
+        ranges: RangeFn = no_ranges,
     ) -> None:
         self.pool = pool
         self.pages = pages
@@ -174,6 +181,9 @@ class Committer:
         self.threaded = threaded
         self.copy_stream = copy_stream
         self.copy_chunk_bytes = copy_chunk_bytes
+        self.cache_id = cache_id
+        self.ranges = ranges
+        self._failure_logged = False
         #: Test hook: called with a job before its pool write; an exception fails the job.
         self.fault: Callable[[WriteJob], None] | None = None
         self.rows_written: collections.Counter[str] = collections.Counter()
@@ -225,13 +235,18 @@ class Committer:
                 self._queue.appendleft(job)
             self._cv.notify()
 
-    def shutdown(self, timeout_s: float) -> None:
-        """Stop the thread after the jobs already queued; wait at most ``timeout_s``."""
+    def shutdown(self, timeout_s: float) -> bool:
+        """Stop the thread after the jobs already queued; wait at most ``timeout_s``.
+
+        Returns False when the thread is still running after that.
+        """
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
 
     # -----------------------------------------------------------------------------------------
     # The job itself.
@@ -266,18 +281,23 @@ class Committer:
         self.reports.append(CopyStarted(tid=job.tid))
         try:
             if job.deferred:
-                self._copy_deferred(job)
+                with self.ranges("omni_cache.deferred_copy"):
+                    self._copy_deferred(job)
             elif job.d2h_event is not None:
-                job.d2h_event.synchronize()  # the whole-step copy into the page (PAGE-6)
+                with self.ranges("omni_cache.wait.step_copy"):
+                    job.d2h_event.synchronize()  # the whole-step copy into the page (PAGE-6)
                 job.hold = []
             self.reports.append(CopyLanded(tid=job.tid))
             self.signal.bump()
             if self.fault is not None:
                 self.fault(job)
-            self._write_pool(job)
+            with self.ranges("omni_cache.pool_write"):
+                self._write_pool(job)
             self.reports.append(WriteLanded(tid=job.tid))
         except Exception as exc:  # FAIL-2: fail the task, keep the committer alive
-            self.reports.append(WriteFailed(tid=job.tid, reason=f"{type(exc).__name__}: {exc}"))
+            reason = f"{type(exc).__name__}: {exc}"
+            self.reports.append(WriteFailed(tid=job.tid, reason=reason))
+            self._log_failure(job, reason, exc)
         finally:
             if job.hold and job.d2h_event is not None:
                 # The clones may be freed only once the copy that reads them is over, even on
@@ -288,6 +308,31 @@ class Committer:
             with self._cv:
                 job.stage = JobStage.DONE
             self.signal.bump()
+
+    def _log_failure(self, job: WriteJob, reason: str, exc: Exception) -> None:
+        """Log the first failed write with its traceback (FAIL-1); later ones only count."""
+        with self._cv:
+            if self._failure_logged:
+                return
+            self._failure_logged = True
+        kind = "deferred write" if job.deferred else f"step write (page {job.page})"
+        rows = sum(len(c.slots) for c in job.chunks) if job.deferred else job.n
+        log(
+            logging.ERROR,
+            "write_failed",
+            self.cache_id,
+            "%s tid %d of keys %s (%d rows) failed: %s; the cache refuses every call from now "
+            "on (WriteFailedError) and must be rebuilt",
+            kind,
+            job.tid,
+            list(job.keys),
+            rows,
+            reason,
+            tids=[job.tid],
+            keys=list(job.keys),
+            reason=reason,
+            exc_info=exc,
+        )
 
     def _copy_deferred(self, job: WriteJob) -> None:
         """Copy a deferred job's device clones to host rows, in pieces (BUDGET-3)."""

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -37,6 +39,7 @@ from omni_cache_core import (
     BadInputError,
     ModelCachePolicy,
     OmniPrefixCacheUnmatchError,
+    PageTimeoutError,
     PrefixCacheConfig,
     PrefixCacheStep,
     ReqId,
@@ -44,6 +47,7 @@ from omni_cache_core import (
     StepId,
     TensorName,
     Tid,
+    WaitTimeoutError,
 )
 from omni_cache_core._core import CacheCore
 from omni_cache_core._values import (
@@ -72,6 +76,8 @@ from omni_cache_core._values import (
 )
 from omni_cache_cuda._committer import Chunk, Committer, Signal, WriteJob
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
+from omni_cache_cuda._log import BUDGET_FLUSH_LOG_INTERVAL_S, RateLimit, log, next_id
+from omni_cache_cuda._nvtx import no_ranges, ranges_for
 from omni_cache_cuda._outputs import (
     DeliveredPositions,
     StageCacheOutputs,
@@ -93,6 +99,13 @@ _THIS_STEP = SlotSource.THIS_STEP.value
 
 #: How long `shutdown` waits for the committer thread (FAIL-4).
 _SHUTDOWN_JOIN_S = 5.0
+
+#: NVTX range of each wait, by the name the core gives it.
+_WAIT_RANGES = {
+    "save barrier": "omni_cache.wait.save_barrier",
+    "budget flush": "omni_cache.wait.budget_flush",
+    "hit join": "omni_cache.wait.hit_join",
+}
 
 
 class _ReadRecord:
@@ -156,6 +169,14 @@ class OmniPrefixCacheManager:
         prefetch: Start hit gathers at `new_step_starts`, overlapping the forward (HIT-7).
             Results are identical either way.
 
+    Observability: `stats` returns the counters (`omni_cache_cuda.metrics` exports them to
+    Prometheus); the ``omni_cache`` logger gets a line for each cached key's first allocation,
+    each timeout, budget flushes (rate-limited), the first failed write and the shutdown, never
+    one on a normal step; with the environment variable ``OMNI_CACHE_NVTX=1`` set when the
+    manager is created, a manager on CUDA marks its copies, gathers and waits with NVTX ranges
+    for Nsight Systems (``omni_cache.step_copy``, ``omni_cache.pool_write``,
+    ``omni_cache.hit_gather``, ``omni_cache.wait.*``; the flag costs nothing elsewhere).
+
     Raises:
         BadInputError: ``config`` or ``policy`` has the wrong type; nothing is created.
     """
@@ -183,6 +204,9 @@ class OmniPrefixCacheManager:
         self._cuda = self.device.type == "cuda"
         self.threaded = self._cuda if threaded is None else bool(threaded)
         self.config = config
+        self._id = next_id()
+        self._range = ranges_for(self.device)
+        self._flush_log = RateLimit(BUDGET_FLUSH_LOG_INTERVAL_S)
         self._core = CacheCore(config, policy)
         self._lock = threading.Lock()
         self._signal = Signal()
@@ -201,6 +225,8 @@ class OmniPrefixCacheManager:
             threaded=self.threaded,
             copy_stream=self._copy_stream,
             copy_chunk_bytes=config.copy_chunk_bytes,
+            cache_id=self._id,
+            ranges=self._range,
         )
         self._jobs: dict[Tid, WriteJob] = {}
         self._steps: dict[StepId, _StepContext] = {}
@@ -259,11 +285,28 @@ class OmniPrefixCacheManager:
             if self._closed:
                 return
             self._closed = True
+            self._drain(raise_fatal=False)
+            open_steps = self._core.open_step_ids
+            writes = sorted(self._jobs)
             self._core.shut_down(ShutDown())
         self._signal.bump()
-        self._committer.shutdown(_SHUTDOWN_JOIN_S)
+        stopped = self._committer.shutdown(_SHUTDOWN_JOIN_S)
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        log(
+            logging.INFO if stopped else logging.WARNING,
+            "shutdown",
+            self._id,
+            "shut down with %d open step ids %s and %d writes not landed (tids %s)%s",
+            len(open_steps),
+            list(open_steps),
+            len(writes),
+            writes,
+            "" if stopped else f"; the committer thread did not stop within {_SHUTDOWN_JOIN_S}s",
+            step_ids=list(open_steps),
+            tids=writes,
+            committer_stopped=stopped,
+        )
 
     def _inject_write_fault(self, fault: Any) -> None:
         """Test hook: ``fault(job)`` runs before every pool write; raising fails that write."""
@@ -312,13 +355,19 @@ class OmniPrefixCacheManager:
             assert self._prefetcher is not None
             pool_rows = self._pool.tensors[effect.key]
             slots = torch.from_numpy(effect.slots)
-            record.prefetch = (
-                effect.positions,
-                self._prefetcher.submit(pool_rows.index_select, 0, slots),
+            gather = (
+                pool_rows.index_select
+                if self._range is no_ranges
+                else functools.partial(self._prefetch_gather, pool_rows)
             )
+            record.prefetch = (effect.positions, self._prefetcher.submit(gather, 0, slots))
         if escalate and not self.threaded:
             with self._lock:
                 self._drain()
+
+    def _prefetch_gather(self, pool_rows: torch.Tensor, dim: int, slots: torch.Tensor) -> Any:
+        with self._range("omni_cache.hit_prefetch"):
+            return pool_rows.index_select(dim, slots)
 
     # -----------------------------------------------------------------------------------------
     # Engine thread: save.
@@ -338,7 +387,7 @@ class OmniPrefixCacheManager:
         freeze event, and a non-blocking copy on the copy stream), registers the step's write
         and queues it (threaded) or runs it (inline), and snapshots the leftover mm values.
         Blocks only for the save barrier (TASK-3), a budget flush (BUDGET-2) and a page claim
-        (PAGE-4), each at most `staging_claim_timeout_s` (DEV-3).
+        (PAGE-4), each at most ``staging_claim_timeout_s`` (DEV-3).
 
         Raises:
             BadInputError: Bad input: types, a slot count not matching the rows, hidden with
@@ -482,22 +531,92 @@ class OmniPrefixCacheManager:
         while True:
             seen = self._signal.generation
             escalate: list[WriteJob] = []
-            with self._lock:
-                self._drain()
-                effect = self._core.save_proceed(SaveProceed(now_ns=time.monotonic_ns()))
-                if isinstance(effect, EscalateTasks):
-                    escalate = [self._jobs[t] for t in effect.tids if t in self._jobs]
+            try:
+                with self._lock:
+                    self._drain()
+                    effect = self._core.save_proceed(SaveProceed(now_ns=time.monotonic_ns()))
+                    if isinstance(effect, EscalateTasks):
+                        escalate = [self._jobs[t] for t in effect.tids if t in self._jobs]
+                        budget = (self._core.budget_used, self._core.counters.budget_flushes)
+            except (WaitTimeoutError, PageTimeoutError) as exc:
+                self._log_timeout(exc, None)
+                raise
             if isinstance(effect, PageClaimed):
                 if waited_since is not None:
                     self._page_wait_ns += time.monotonic_ns() - waited_since
                 return effect.page
             if isinstance(effect, EscalateTasks):
+                self._log_flush(effect.tids, *budget)
                 self._committer.escalate(escalate)  # BUDGET-2: a flush, outside the lock
                 continue
-            if isinstance(effect, AwaitPage) and waited_since is None:
-                waited_since = time.monotonic_ns()
-                self._page_waits += 1
-            self._wait(seen, effect.deadline_ns)
+            if isinstance(effect, AwaitPage):
+                name = "omni_cache.wait.page"
+                if waited_since is None:
+                    waited_since = time.monotonic_ns()
+                    self._page_waits += 1
+            else:
+                name = _WAIT_RANGES.get(effect.what, "omni_cache.wait.other")
+            with self._range(name):
+                self._wait(seen, effect.deadline_ns)
+
+    def _log_flush(self, tids: Sequence[Tid], budget_used: int, flushes: int) -> None:
+        """Log a budget flush (BUDGET-2), at most one line per interval."""
+        held = self._flush_log.ready()
+        if held is None:
+            return
+        log(
+            logging.INFO,
+            "budget_flush",
+            self._id,
+            "budget flush: deferred writes %s forced out early; %d of %d GPU budget bytes in "
+            "use; flushes so far: %d (%d since the previous line)",
+            list(tids),
+            budget_used,
+            self.config.gpu_staging_bytes,
+            flushes,
+            held + 1,
+            tids=list(tids),
+            budget_bytes_in_use=budget_used,
+            budget_flushes=flushes,
+        )
+
+    def _log_timeout(
+        self, exc: WaitTimeoutError | PageTimeoutError, step_id: StepId | None
+    ) -> None:
+        """Log a wait that ran out (FAIL-3, PAGE-4) before its error reaches the caller."""
+        if isinstance(exc, PageTimeoutError):
+            tids = [tid for tid, _ in exc.tasks_in_flight]
+            log(
+                logging.WARNING,
+                "wait_timeout",
+                self._id,
+                "save_outputs timed out after %ss waiting for a staging page; open step ids %s "
+                "hold pages, writes in flight %s",
+                exc.timeout_s,
+                list(exc.open_step_ids),
+                [f"{tid}:{state}" for tid, state in exc.tasks_in_flight],
+                wait="page",
+                step_ids=list(exc.open_step_ids),
+                tids=tids,
+                timeout_s=exc.timeout_s,
+            )
+            return
+        where = "save_outputs" if step_id is None else f"materialize of step {step_id}"
+        log(
+            logging.WARNING,
+            "wait_timeout",
+            self._id,
+            "%s timed out after %ss in the %s, waiting for write tid %d (%s)",
+            where,
+            exc.timeout_s,
+            exc.what,
+            exc.tid,
+            exc.state,
+            wait=exc.what,
+            step_ids=[] if step_id is None else [step_id],
+            tids=[exc.tid],
+            timeout_s=exc.timeout_s,
+        )
 
     def _wait(self, seen: int, deadline_ns: int) -> None:
         remaining = (deadline_ns - time.monotonic_ns()) / 1e9
@@ -518,6 +637,42 @@ class OmniPrefixCacheManager:
                 self._pool.install(key, new_pool[key], storage)
             for key, buffer in page_storage.items():
                 self._pages.install(key, buffer)
+        for key in dict.fromkeys((*pool_storage, *page_storage)):
+            self._log_allocation(key, shapes[key], pool_storage.get(key), page_storage.get(key))
+
+    def _log_allocation(
+        self,
+        key: TensorName,
+        shape: KeyShape,
+        pool: torch.Tensor | None,
+        pages: torch.Tensor | None,
+    ) -> None:
+        """Log a key's first allocation: the host bytes it holds from now on."""
+        pool_bytes = 0 if pool is None else pool.untyped_storage().nbytes()
+        page_bytes = 0 if pages is None else pages.untyped_storage().nbytes()
+        kind = "deferred" if key in self._core.policy.deferred_keys else "immediate"
+        log(
+            logging.INFO,
+            "key_allocated",
+            self._id,
+            "allocated %s key %r (rows %s %s, %d bytes each): host pool %d bytes (%d slots), "
+            "staging pages %d bytes (%d pages of %d rows), %s",
+            kind,
+            key,
+            list(shape.features),
+            str(shape.dtype).removeprefix("torch."),
+            shape.row_bytes,
+            pool_bytes,
+            self.config.num_slots,
+            page_bytes,
+            self.config.staging_depth if pages is not None else 0,
+            self.config.staging_capacity_tokens,
+            "pinned" if self._cuda else "not pinned",
+            key=key,
+            pool_bytes=pool_bytes,
+            staging_bytes=page_bytes,
+            row_bytes=shape.row_bytes,
+        )
 
     def _stage(
         self,
@@ -540,7 +695,31 @@ class OmniPrefixCacheManager:
             or _has_cuda_tensor(parts.leftover)
         )
         hold: list[torch.Tensor] = []
-        freeze = None
+        with self._range("omni_cache.step_copy"):
+            ctx.deferred_rows = self._copy_step(parts, n, page, ctx, on_device, hold)
+        step_job = None
+        if parts.immediate:
+            step_job = WriteJob(
+                Tid(0),  # the real tid comes with the StepWrite effect
+                tuple(parts.immediate),
+                page=page,
+                slots=slot_ids,
+                d2h_event=ctx.d2h_event,
+                freeze_event=ctx.freeze_event,
+            )
+            step_job.hold = hold
+        return ctx, step_job
+
+    def _copy_step(
+        self,
+        parts: Any,
+        n: int,
+        page: int,
+        ctx: _StepContext,
+        on_device: bool,
+        hold: list[torch.Tensor],
+    ) -> dict[TensorName, torch.Tensor]:
+        """Copy the immediate rows into the page; return the deferred clones (DEV-1)."""
         if on_device:
             # DEV-1: clones on the compute stream, then the freeze event.
             immediate = {k: v.clone() for k, v in parts.immediate.items()}
@@ -558,7 +737,8 @@ class OmniPrefixCacheManager:
                 d2h = torch.cuda.Event()
                 d2h.record(self._copy_stream)
             ctx.d2h_event = d2h
-            hold = list(immediate.values())
+            ctx.freeze_event = freeze
+            hold.extend(immediate.values())
         else:
             for key, rows in parts.immediate.items():
                 self._pages.rows(key, page, n).copy_(rows.reshape(n, -1))
@@ -568,20 +748,7 @@ class OmniPrefixCacheManager:
                 k: deferred[k] if k in deferred else snapshot_leftover(v, n, pin=False)
                 for k, v in parts.leftover.items()
             }
-        ctx.deferred_rows = deferred
-        step_job = None
-        if parts.immediate:
-            step_job = WriteJob(
-                Tid(0),  # the real tid comes with the StepWrite effect
-                tuple(parts.immediate),
-                page=page,
-                slots=slot_ids,
-                d2h_event=ctx.d2h_event,
-                freeze_event=freeze,
-            )
-            step_job.hold = hold
-        ctx.freeze_event = freeze
-        return ctx, step_job
+        return deferred
 
     def _apply_commit(
         self,
@@ -658,7 +825,7 @@ class OmniPrefixCacheManager:
         """Return the requests' merged outputs of a saved step, consuming its id (STEP-1).
 
         Reads only what the save captured (STEP-3). Blocks while the immediate writes its hits
-        read are still landing (HIT-3, bounded by `staging_claim_timeout_s`) and for the
+        read are still landing (HIT-3, bounded by ``staging_claim_timeout_s``) and for the
         gathers; never under the state lock.
 
         Raises:
@@ -702,25 +869,32 @@ class OmniPrefixCacheManager:
         inp_req = cast(tuple[ReqId, ...] | None, wanted)
         while True:
             seen = self._signal.generation
-            with self._lock:
-                self._drain()
-                try:
-                    effect = self._core.consume_begin(
-                        ConsumeBegin(step_id=step_id, req_ids=inp_req, now_ns=time.monotonic_ns())
-                    )
-                except OmniPrefixCacheUnmatchError:
-                    if step_id in self._steps and not self._core.has_step(step_id):
-                        self._forget_step(step_id)  # STEP-4: a failed consume still consumes
-                        self._signal.bump()
-                    raise
-                if isinstance(effect, ConsumePlan):
-                    if effect.discard:
-                        return effect, self._forget_step(step_id), {}
-                    # Records stay registered until the consume ends, so a concurrent save's
-                    # Preserve lands in the record this consume reads (HIT-6).
-                    records = {read.read_id: self._record(read.read_id) for read in effect.reads}
-                    return effect, self._steps[step_id], records
-            self._wait(seen, effect.deadline_ns)
+            try:
+                with self._lock:
+                    self._drain()
+                    try:
+                        effect = self._core.consume_begin(
+                            ConsumeBegin(
+                                step_id=step_id, req_ids=inp_req, now_ns=time.monotonic_ns()
+                            )
+                        )
+                    except OmniPrefixCacheUnmatchError:
+                        if step_id in self._steps and not self._core.has_step(step_id):
+                            self._forget_step(step_id)  # STEP-4: a failed consume still consumes
+                            self._signal.bump()
+                        raise
+                    if isinstance(effect, ConsumePlan):
+                        if effect.discard:
+                            return effect, self._forget_step(step_id), {}
+                        # Records stay registered until the consume ends, so a concurrent save's
+                        # Preserve lands in the record this consume reads (HIT-6).
+                        records = {r.read_id: self._record(r.read_id) for r in effect.reads}
+                        return effect, self._steps[step_id], records
+            except WaitTimeoutError as exc:
+                self._log_timeout(exc, step_id)
+                raise
+            with self._range("omni_cache.wait.hit_join"):
+                self._wait(seen, effect.deadline_ns)
 
     def _forget_step(self, step_id: StepId) -> _StepContext:
         ctx = self._steps.pop(step_id)
@@ -739,11 +913,14 @@ class OmniPrefixCacheManager:
         wanted: tuple[str, ...],
     ) -> StageCacheOutputs:
         """Merge hit prefix rows with the step's rows, per request and key (HIT-3, OUT-5)."""
-        if ctx.d2h_event is not None:
-            ctx.d2h_event.synchronize()
+        if ctx.d2h_event is not None or ctx.leftover_event is not None:
+            with self._range("omni_cache.wait.step_copy"):
+                if ctx.d2h_event is not None:
+                    ctx.d2h_event.synchronize()
+                if ctx.leftover_event is not None:
+                    ctx.leftover_event.synchronize()
         leftover = ctx.leftover
         if ctx.leftover_event is not None:
-            ctx.leftover_event.synchronize()
             leftover = unpin(leftover)  # OUT-4: the payload holds no pinned pages
         n = ctx.n
         # This step's rows per cached key, copied out of the page once (the page is released
@@ -841,6 +1018,17 @@ class OmniPrefixCacheManager:
         current: Mapping[TensorName, torch.Tensor],
     ) -> None:
         """Fill ``out`` (one row per hit slot) from the sources the core planned (HIT-3)."""
+        with self._range("omni_cache.hit_gather"):
+            self._gather_rows(out, read, record, ctx, current)
+
+    def _gather_rows(
+        self,
+        out: torch.Tensor,
+        read: ReadPlan,
+        record: _ReadRecord | None,
+        ctx: _StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+    ) -> None:
         key = read.key
         pool = self._pool.tensors[key]
         source = read.source
