@@ -2,9 +2,12 @@
 
 The `Workload` of `tests.adapter_helpers` plays a scheduler with prefix caching over a small
 block pool, so blocks are recycled often while earlier steps are still being read on the builder
-thread (CONC-3, HIT-6). Every row `materialize` returns is checked against the oracle of what the
-engine wrote; the values encode (slot, key, write id), so a stale, shifted or torn row fails.
-Every 50 steps the pool rows of all COMMITTED slots are compared with the oracle too.
+thread (CONC-3, HIT-6). Requests are preempted and resumed with new hits, end while preempted,
+and their ids come back. Every row `materialize` returns is checked against the oracle of what
+the engine wrote and against the value a full recompute gives at its position; every delivered
+range against the engine's own model of delivery; and at the end every admission's whole life:
+each computed position delivered exactly once, in order, unless only discarded or left-out steps
+carried it. Every 50 steps the pool rows of all COMMITTED slots are compared with the oracle too.
 """
 
 from __future__ import annotations
@@ -30,6 +33,18 @@ from tests.adapter_helpers import Engine, Workload, make_manager, settle, wait_f
 STEPS = 2000
 #: Steps are consumed one to this many steps late (staging_depth leaves room for it).
 MAX_LAG = 3
+#: Preemption: running requests are preempted now and then (four times as often at a block
+#: boundary, where vLLM preempts), come back with the longest cached prefix of the tokens they
+#: know as their hit, a random shorter one, or one at the builder's cursor, and some end while
+#: preempted. Decodes run up to 10 tokens, so generated blocks fill and a resume can hit them.
+PREEMPTING: dict[str, Any] = {
+    "preempt_p": 0.02,
+    "resume_p": 0.6,
+    "end_preempted_p": 0.05,
+    "cut_hit_p": 0.25,
+    "aim_hit_p": 0.3,
+    "max_decode": 10,
+}
 #: A small cache the workload recycles fast: 24 blocks, room for MAX_LAG open steps, and a
 #: budget of a few steps of deferred rows (32 bytes each), so saves force flushes (BUDGET-2).
 BUSY_CACHE: dict[str, Any] = {
@@ -75,7 +90,12 @@ def _count_internal_paths(
 
 @pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "inline"])
 def test_builder_thread_consumes_late(threaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random hits, finishes, aborts and block reuse read back exactly on a late builder thread."""
+    """Random hits, finishes, aborts, preemptions and resumes, ends while preempted, id reuse,
+    discards and block reuse, read back on a late builder thread: every computed position of
+    every admission is delivered exactly once, in order, with the recomputed value, except
+    positions only discarded or left-out steps carried; every refusal is predicted and the step
+    consumed later (CONC-3, LIFE-1, LIFE-2, LIFE-3, LIFE-4, DLV-1, DLV-2, DLV-3, DLV-4, DLV-5,
+    DLV-6, DLV-7)."""
     began = time.monotonic()
     manager = make_manager(threaded, **BUSY_CACHE)
     seen = _count_internal_paths(manager, monkeypatch)
@@ -84,15 +104,18 @@ def test_builder_thread_consumes_late(threaded: bool, monkeypatch: pytest.Monkey
         delays = random.Random(3)
         manager._inject_write_fault(lambda job: time.sleep(0.002 * (delays.random() < 0.3)))
     with manager:
+        engine = Engine(manager)
         workload = Workload(
-            Engine(manager),
+            engine,
             seed=20240601 + threaded,
             max_lag=MAX_LAG,
             check_pool_every=50,
             builder=True,
+            **PREEMPTING,
         )
         stats = _run(workload, STEPS)
-    counts = workload.counts
+    counts, delivery = workload.counts, engine.delivery
+    lost, recovered = engine.lost_and_recovered()
     # Every step id was consumed exactly once, and nothing is left held or recorded.
     assert stats.steps_saved == STEPS
     assert (stats.steps_consumed, stats.steps_discarded) == (counts.materialized, counts.discarded)
@@ -100,13 +123,30 @@ def test_builder_thread_consumes_late(threaded: bool, monkeypatch: pytest.Monkey
     assert stats.pages_in_use == 0
     assert stats.writes_failed == 0
     assert manager._reads == {}
+    # Every delivered row was compared with the recomputed value at its position (DLV-6), and
+    # `_run` found no admission with a position delivered twice, out of order, or never
+    # delivered though a materialized step carried it (DLV-2, DLV-4).
+    assert delivery.recomputed_checked == delivery.delivered > 5 * STEPS, delivery
+    assert delivery.external == 0, delivery
     # The run covered what it is meant to cover.
     assert counts.hit_requests >= 300, counts
     assert counts.same_step_hits >= 10, counts
     assert counts.recycled_blocks >= 1000, counts
     assert counts.finishes >= 300 and counts.aborts >= 50, counts
     assert counts.id_reuses >= 10 and counts.sparse_steps >= 200, counts
-    assert counts.checked_rows > 20 * STEPS, counts
+    assert counts.reuses_with_open_steps >= 10, counts  # LIFE-1
+    assert counts.checked_rows > 15 * STEPS, counts
+    assert counts.preemptions >= 100 and counts.resumes >= 100, counts
+    assert counts.same_step_resumes >= 5, counts  # LIFE-2
+    assert counts.preempted_finishes >= 3 and counts.preempted_aborts >= 3, counts
+    # Resume hits of every kind against the cursor the cache had (DLV-3, LIFE-4).
+    assert counts.resume_zero >= 10 and counts.resume_below >= 10, counts
+    assert counts.resume_equal >= 3 and counts.resume_above >= 5, counts
+    assert counts.resume_beyond_prompt >= 5, counts
+    assert counts.refusals == delivery.refused >= 100, (counts, delivery)  # DLV-5
+    assert delivery.cut >= 100, delivery  # recomputed rows not handed out again (DLV-2)
+    assert delivery.passed_over > 0 and recovered > 0, (delivery, recovered)  # DLV-4
+    assert delivery.left_out > 0 and delivery.empty > 0, delivery
     assert stats.budget_flushes >= 20, stats
     for source in ("POOL", "THIS_STEP", "TASK", "ZEROS"):
         assert stats.hit_rows[source] > 0, stats
@@ -116,7 +156,10 @@ def test_builder_thread_consumes_late(threaded: bool, monkeypatch: pytest.Monkey
         # AFTER_WRITE does not occur; in-flight deferred writes do lose slots.
         assert seen["tombstone"] > 0, seen
     mode = "threaded" if threaded else "inline"
-    print(f"\n{mode}: {counts} {dict(seen)} in {time.monotonic() - began:.1f}s")
+    print(
+        f"\n{mode}: {counts} {delivery} lost={lost} recovered={recovered} {dict(seen)} "
+        f"in {time.monotonic() - began:.1f}s"
+    )
 
 
 def test_save_barrier_timeout_leaves_no_trace() -> None:
