@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NoReturn
 
 import attrs
 import numpy as np
@@ -26,9 +27,7 @@ class PrefixCacheWrite:
     row_end: int
 
 
-def _check_writes(
-    instance: PrefixCacheWriteLayout, attribute: object, writes: tuple[PrefixCacheWrite, ...]
-) -> None:
+def _check_writes(writes: tuple[PrefixCacheWrite, ...]) -> None:
     expected = 0
     for write in writes:
         if not isinstance(write, PrefixCacheWrite):
@@ -44,7 +43,7 @@ def _check_writes(
         expected = write.row_end
 
 
-def _check_slots(instance: PrefixCacheWriteLayout, attribute: object, slots: torch.Tensor) -> None:
+def _check_slots(slots: object) -> None:
     if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.ndim != 1:
         raise BadInputError(
             what="slots_cpu", expected="a 1-D int64 tensor", got=f"{type(slots).__name__}"
@@ -53,31 +52,91 @@ def _check_slots(instance: PrefixCacheWriteLayout, attribute: object, slots: tor
         raise BadInputError(what="slots_cpu", expected="a CPU tensor", got=str(slots.device))
 
 
-@attrs.frozen(eq=False)
 class PrefixCacheWriteLayout:
     """Where each row of a step goes: per-request row ranges and one KV slot id per row.
 
-    Attributes:
+    Immutable once built (setting an attribute raises `attrs.exceptions.FrozenInstanceError`).
+
+    Args:
         writes: One entry per request of the step, in batch order, with contiguous row ranges
-            from 0 (a request with 0 scheduled tokens has an empty range).
+            from 0 (a request with 0 scheduled tokens has an empty range). Any iterable.
         slots_cpu: One slot id per row (``block_id * block_size + offset``), int64, on the CPU.
+
+    Attributes:
+        writes: The entries, a tuple (built on first use when the layout came from
+            `from_block_tables`, which a decode step of hundreds of requests never needs).
+        slots_cpu: The slot ids.
+        req_ids: Request ids in batch order.
+        bounds: ``len(writes) + 1`` row bounds: request ``i`` owns rows
+            ``[bounds[i], bounds[i + 1])``.
+
+    Raises:
+        BadInputError: An entry is not a `PrefixCacheWrite`, the ranges are not contiguous
+            from row 0, or ``slots_cpu`` is not a 1-D int64 CPU tensor. Nothing is built.
     """
 
-    writes: tuple[PrefixCacheWrite, ...] = attrs.field(converter=tuple, validator=_check_writes)
-    slots_cpu: torch.Tensor = attrs.field(validator=_check_slots)
-    #: Request ids in batch order (derived once; the save path reads them every step).
-    req_ids: tuple[str, ...] = attrs.field(init=False)
-    #: ``len(writes) + 1`` row bounds: request ``i`` owns rows ``[bounds[i], bounds[i + 1])``.
-    bounds: tuple[int, ...] = attrs.field(init=False)
+    __slots__ = ("_writes", "bounds", "req_ids", "slots_cpu")
 
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "req_ids", tuple(w.req_id for w in self.writes))
-        object.__setattr__(self, "bounds", (0, *(w.row_end for w in self.writes)))
+    _writes: tuple[PrefixCacheWrite, ...] | None
+    slots_cpu: torch.Tensor
+    req_ids: tuple[str, ...]
+    bounds: tuple[int, ...]
+
+    def __init__(self, writes: Iterable[PrefixCacheWrite], slots_cpu: torch.Tensor) -> None:
+        entries = tuple(writes)
+        _check_writes(entries)
+        _check_slots(slots_cpu)
+        _set = object.__setattr__
+        _set(self, "_writes", entries)
+        _set(self, "slots_cpu", slots_cpu)
+        _set(self, "req_ids", tuple(w.req_id for w in entries))
+        _set(self, "bounds", (0, *(w.row_end for w in entries)))
+
+    @classmethod
+    def _from_bounds(
+        cls, req_ids: tuple[str, ...], bounds: tuple[int, ...], slots_cpu: torch.Tensor
+    ) -> PrefixCacheWriteLayout:
+        """Build from ids and row bounds already known to be consistent (no entry objects)."""
+        self = object.__new__(cls)
+        _set = object.__setattr__
+        _set(self, "_writes", None)
+        _set(self, "slots_cpu", slots_cpu)
+        _set(self, "req_ids", req_ids)
+        _set(self, "bounds", bounds)
+        return self
+
+    @property
+    def writes(self) -> tuple[PrefixCacheWrite, ...]:
+        """One `PrefixCacheWrite` per request, in batch order."""
+        writes = self._writes
+        if writes is None:
+            bounds = self.bounds
+            writes = tuple(
+                PrefixCacheWrite(req_id, bounds[i], bounds[i + 1])
+                for i, req_id in enumerate(self.req_ids)
+            )
+            object.__setattr__(self, "_writes", writes)
+        return writes
 
     @property
     def num_rows(self) -> int:
         """Rows the writes cover."""
-        return self.writes[-1].row_end if self.writes else 0
+        return self.bounds[-1]
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (PrefixCacheWriteLayout._from_bounds, (self.req_ids, self.bounds, self.slots_cpu))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise attrs.exceptions.FrozenInstanceError()
+
+    def __delattr__(self, name: str) -> None:
+        raise attrs.exceptions.FrozenInstanceError()
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixCacheWriteLayout(writes={self.writes!r}, "
+            f"slots_cpu=tensor of {len(self.slots_cpu)} slots)"
+        )
 
     @classmethod
     def from_block_tables(
@@ -98,28 +157,45 @@ class PrefixCacheWriteLayout:
             BadInputError: A request misses from a mapping, a count is negative, or a position
                 falls outside the request's blocks. Nothing is built.
         """
-        writes: list[PrefixCacheWrite] = []
+        req_ids = tuple(order)
+        try:
+            counts = [num_scheduled[r] for r in req_ids]
+        except KeyError:
+            _raise_missing(req_ids, num_scheduled, num_computed, block_ids)
+        if counts and min(counts) == 1 == max(counts):
+            # A decode step: one token per request, hundreds of requests. One pass per list.
+            try:
+                computed = [num_computed[r] for r in req_ids]
+                if min(computed) >= 0:
+                    table = [
+                        block_ids[r][c // block_size]
+                        for r, c in zip(req_ids, computed, strict=True)
+                    ]
+                    slots = np.asarray(table, dtype=np.int64) * block_size
+                    slots += np.asarray(computed, dtype=np.int64) % block_size
+                    return cls._from_bounds(
+                        req_ids, tuple(range(len(req_ids) + 1)), torch.from_numpy(slots)
+                    )
+            except (KeyError, IndexError):
+                pass
+            # Something is wrong: the general pass below names it.
         pieces: list[np.ndarray] = []
         short: list[int] = []  # slots of consecutive short requests, flushed as one array
+        bounds = [0]
         row = 0
-        for req_id in order:
+        for req_id, count in zip(req_ids, counts, strict=True):
             try:
-                count = num_scheduled[req_id]
-                computed = num_computed[req_id] if count else 0
+                computed_at = num_computed[req_id] if count else 0
                 blocks = block_ids[req_id] if count else ()
-            except KeyError as exc:
-                raise BadInputError(
-                    what=f"block tables of request {req_id!r}",
-                    expected="an entry in num_scheduled, num_computed and block_ids",
-                    got=f"no {exc}",
-                ) from None
-            if count < 0 or computed < 0:
+            except KeyError:
+                _raise_missing(req_ids, num_scheduled, num_computed, block_ids)
+            if count < 0 or computed_at < 0:
                 raise BadInputError(
                     what=f"counts of request {req_id!r}",
                     expected="non-negative scheduled and computed counts",
-                    got=f"scheduled={count}, computed={computed}",
+                    got=f"scheduled={count}, computed={computed_at}",
                 )
-            last = computed + count - 1
+            last = computed_at + count - 1
             if count and last // block_size >= len(blocks):
                 raise BadInputError(
                     what=f"position {last} of request {req_id!r}",
@@ -129,18 +205,44 @@ class PrefixCacheWriteLayout:
             if count <= _LOOP_TOKENS:
                 short.extend(
                     blocks[p // block_size] * block_size + p % block_size
-                    for p in range(computed, computed + count)
+                    for p in range(computed_at, computed_at + count)
                 )
             else:
                 if short:
                     pieces.append(np.asarray(short, dtype=np.int64))
                     short = []
-                positions = np.arange(computed, computed + count, dtype=np.int64)
-                table = np.asarray(blocks, dtype=np.int64)
-                pieces.append(table[positions // block_size] * block_size + positions % block_size)
-            writes.append(PrefixCacheWrite(req_id, row, row + count))
+                positions = np.arange(computed_at, computed_at + count, dtype=np.int64)
+                table_np = np.asarray(blocks, dtype=np.int64)
+                pieces.append(
+                    table_np[positions // block_size] * block_size + positions % block_size
+                )
             row += count
+            bounds.append(row)
         if short or not pieces:
             pieces.append(np.asarray(short, dtype=np.int64))
         flat = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        return cls(writes, torch.from_numpy(flat))
+        return cls._from_bounds(req_ids, tuple(bounds), torch.from_numpy(flat))
+
+
+def _raise_missing(
+    order: tuple[str, ...],
+    num_scheduled: Mapping[str, int],
+    num_computed: Mapping[str, int],
+    block_ids: Mapping[str, Sequence[int]],
+) -> NoReturn:
+    """Raise the error naming the first request that misses from a mapping it needs."""
+    for req_id in order:
+        for name, table in (
+            ("num_scheduled", num_scheduled),
+            ("num_computed", num_computed),
+            ("block_ids", block_ids),
+        ):
+            if name != "num_scheduled" and not num_scheduled.get(req_id):
+                continue  # a request with no scheduled token needs no computed count or blocks
+            if req_id not in table:
+                raise BadInputError(
+                    what=f"block tables of request {req_id!r}",
+                    expected="an entry in num_scheduled, num_computed and block_ids",
+                    got=f"no {req_id!r} in {name}",
+                )
+    raise AssertionError("a mapping lookup failed, but every request is in every mapping")
