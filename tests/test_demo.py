@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 import io
+import json
+import logging
+import struct
+import sys
 from types import SimpleNamespace
 
 import attrs
@@ -13,7 +17,7 @@ import torch
 from omni_cache_cuda.demo import main
 from omni_cache_cuda.demo._engine import BlockAllocator, Engine, EngineConfig, block_hash
 from omni_cache_cuda.demo._model import ModelConfig, TinyCausalLM
-from omni_cache_cuda.demo._run import _Progress, compare_runs
+from omni_cache_cuda.demo._run import _Progress, compare_runs, make_progress
 from omni_cache_cuda.demo._stages import TALKER_KEY, DirectSink, OmniSink, Talker
 from omni_cache_cuda.demo._workload import WorkloadConfig, make_workload
 
@@ -316,3 +320,99 @@ def test_progress_bar_draws_after_its_delay_and_ends_its_line():
     bar.close()
     assert "[###############...............] 5/10 requests" in stream.getvalue()
     assert stream.getvalue().endswith("\n")
+
+
+def test_tqdm_progress_bar_draws_after_its_delay(monkeypatch):
+    """With tqdm installed the bar is tqdm's: silent before its delay, then the count."""
+    pytest.importorskip("tqdm")
+    stream = io.StringIO()
+    quiet = make_progress("run", stream, enabled=True, delay_s=60.0)
+    quiet(1, 10)
+    quiet.close()
+    assert stream.getvalue() == ""
+    bar = make_progress("run", stream, enabled=True, delay_s=0.0)
+    assert not isinstance(bar, _Progress)
+    bar(5, 10)
+    bar.close()
+    assert "5/10" in stream.getvalue()
+
+
+def test_without_tqdm_the_plain_bar_is_used(monkeypatch):
+    """tqdm is optional: without it the demo falls back to its own bar."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    stream = io.StringIO()
+    bar = make_progress("run", stream, enabled=True, delay_s=0.0)
+    assert isinstance(bar, _Progress)
+    bar(5, 10)
+    bar.close()
+    assert "5/10 requests" in stream.getvalue()
+
+
+def test_demo_writes_its_figures_as_json(tmp_path, capsys):
+    """--json writes what the text says, per-step series included, as plain JSON."""
+    path = tmp_path / "figures.json"
+    argv = ["--requests", "16", "--device", "cpu", "--no-progress", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    figures = json.loads(path.read_text())
+    assert figures["ok"] is True
+    assert figures["workload"]["requests"] == 16
+    ref, got = figures["full_recompute"], figures["prefix_cache"]
+    assert ref["hit_tokens"] == 0 and got["hit_tokens"] > 0
+    assert f"{100 * got['hit_rate']:.1f}%" in out
+    for run in (ref, got):
+        steps = run["per_step"]
+        assert len(steps["seconds"]) == run["steps"]
+        assert sum(steps["seconds"]) == pytest.approx(run["wall_s"], rel=1e-6)
+        assert sum(steps["admitted_prompt_tokens"]) == run["prompt_tokens"]
+        assert sum(steps["hit_tokens"]) == run["hit_tokens"]
+        assert sum(steps["tokens"]) == run["computed_tokens"]
+        assert steps["requests_done"][-1] == 16
+    assert figures["throughput_ratio"] == pytest.approx(got["tokens_per_s"] / ref["tokens_per_s"])
+    stats = figures["cache_stats"]
+    assert stats["steps_saved"] == got["steps"]
+    assert stats["hit_rows"]["POOL"] > 0
+    assert figures["comparison"]["max_rel_hidden"] <= figures["tolerance"]
+
+
+def test_demo_draws_its_plot(tmp_path, capsys):
+    """--plot writes a PNG chart of both runs."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "demo.png"
+    argv = ["--requests", "12", "--device", "cpu", "--no-progress", "--plot", str(path)]
+    assert main(argv) == 0
+    assert f"plot written to {path}" in capsys.readouterr().out
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1210, 1100)
+
+
+def test_demo_refuses_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
+    """Without matplotlib --plot is a usage error that says what to install, before any run."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--no-progress", "--plot", str(tmp_path / "x.png")])
+    assert exc.value.code == 2
+    assert "pip install 'omni-cache[demo]'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_demo_refuses_an_output_path_in_a_missing_folder(tmp_path, capsys):
+    """A --json path whose folder does not exist fails up front, not after the runs."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--no-progress", "--json", str(tmp_path / "nope" / "f.json")])
+    assert exc.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_verbose_prints_the_cache_log_lines(capsys):
+    """--verbose shows the omni_cache logger's lines on stderr, and leaves the logger as it was."""
+    logger = logging.getLogger("omni_cache")
+    level, handlers = logger.level, list(logger.handlers)
+    assert main(["--requests", "4", "--device", "cpu", "--no-progress", "--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert "[omni_cache INFO] cache " in err
+    assert "allocated immediate key '__hidden_states__'" in err
+    assert "shut down with 0 open step ids" in err
+    assert (logger.level, logger.handlers) == (level, handlers)

@@ -282,6 +282,12 @@ class RunReport:
         computed_tokens: Tokens the model ran (prompt tokens not hit plus fed-back outputs).
         evictions: Cached blocks evicted because their block was reused.
         block_reuses: Block allocations that recycled slots some earlier request wrote.
+        step_s: Seconds of each step on the engine thread (schedule, forward, sink, update);
+            the last one includes delivering what the sink still held.
+        step_tokens: Tokens the model ran in each step.
+        step_prompt_tokens: Prompt tokens of the requests each step admitted.
+        step_hit_tokens: Of those, the tokens served by the KV prefix cache.
+        step_done: Requests ended (finished or aborted) after each step.
     """
 
     outputs: Mapping[str, tuple[int, ...]]
@@ -293,6 +299,11 @@ class RunReport:
     computed_tokens: int
     evictions: int
     block_reuses: int
+    step_s: tuple[float, ...] = ()
+    step_tokens: tuple[int, ...] = ()
+    step_prompt_tokens: tuple[int, ...] = ()
+    step_hit_tokens: tuple[int, ...] = ()
+    step_done: tuple[int, ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -395,13 +406,19 @@ class Engine:
         ended: list[EndedRecord] = []
         step = 0
         steps_run = 0
-        start_s = time.perf_counter()
+        step_s: list[float] = []
+        step_tokens: list[int] = []
+        step_prompt: list[int] = []
+        step_hit: list[int] = []
+        step_done: list[int] = []
+        start_s = last_s = time.perf_counter()
         while arrivals or waiting or running:
             while arrivals and arrivals[0].arrival_step <= step:
                 waiting.append(arrivals.popleft())
             if not waiting and not running:
                 step = arrivals[0].arrival_step
                 continue
+            prompt_before, hit_before = self._prompt_tokens, self._hit_tokens
             plan = self._schedule(step, waiting, running, ended)
             if not plan.order:
                 raise RuntimeError(f"step {step} could schedule nothing; the KV cache is too small")
@@ -415,10 +432,20 @@ class Engine:
                     aborted.add(record.req_id)
             step += 1
             steps_run += 1
+            step_tokens.append(plan.num_tokens)
+            step_prompt.append(self._prompt_tokens - prompt_before)
+            step_hit.append(self._hit_tokens - hit_before)
+            step_done.append(len(outputs))
             if progress is not None:
                 progress(len(outputs), len(specs))
+            now_s = time.perf_counter()
+            step_s.append(now_s - last_s)
+            last_s = now_s
         sink.finish(ended)
-        wall_s = time.perf_counter() - start_s
+        end_s = time.perf_counter()
+        if step_s:
+            step_s[-1] += end_s - last_s
+        wall_s = end_s - start_s
         self.allocator.check_invariants()
         assert self._reserved_blocks == 0, self._reserved_blocks
         return RunReport(
@@ -431,6 +458,11 @@ class Engine:
             computed_tokens=self._computed_tokens,
             evictions=self.allocator.evictions,
             block_reuses=self.allocator.reuses,
+            step_s=tuple(step_s),
+            step_tokens=tuple(step_tokens),
+            step_prompt_tokens=tuple(step_prompt),
+            step_hit_tokens=tuple(step_hit),
+            step_done=tuple(step_done),
         )
 
     def _prompt_hashes(self, prompt: Sequence[int]) -> list[bytes]:

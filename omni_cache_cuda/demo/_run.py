@@ -5,16 +5,23 @@ and the talker gets the forward's rows directly. Run 2 serves it with hash-based
 and the omni prefix cache: hit prefixes are skipped by the model, and the talker gets the rows
 ``materialize`` merges (hit prefix from the host mirror, then the computed rows), one step late on
 an output-builder thread. The two must agree to float rounding.
+
+Figures go to stdout as text, and with ``--json PATH`` to a JSON file; ``--plot PATH`` draws
+per-step time of both runs and the hit rate over the run (matplotlib). The progress bar is tqdm's
+when tqdm is installed (the ``demo`` extra), else a plain one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TextIO
 
 import attrs
 import torch
@@ -30,6 +37,7 @@ from omni_cache_cuda import (
 
 from ._engine import Engine, EngineConfig, RunReport
 from ._model import ModelConfig, TinyCausalLM
+from ._plot import require_matplotlib, write_plot
 from ._stages import TALKER_KEY, DirectSink, OmniSink, Talker
 from ._workload import RequestSpec, WorkloadConfig, make_workload
 
@@ -138,8 +146,54 @@ def compare_runs(
     )
 
 
+class Progress(Protocol):
+    """What a run reports its progress to: called after each step, closed at the end."""
+
+    def __call__(self, done: int, total: int) -> None:
+        """Requests ended so far, of ``total``."""
+
+    def close(self) -> None:
+        """End the bar's line."""
+
+
+class _TqdmProgress:
+    """tqdm's bar, shown once a run has lasted a few seconds."""
+
+    def __init__(self, label: str, stream: TextIO, *, enabled: bool, delay_s: float = 2.0) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            desc=f"  {label}",
+            unit="req",
+            file=stream,
+            disable=not enabled,
+            delay=delay_s,
+            leave=True,
+            dynamic_ncols=True,
+        )
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar.total != total:
+            self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def make_progress(label: str, stream: TextIO, *, enabled: bool, delay_s: float = 2.0) -> Progress:
+    """tqdm's progress bar when tqdm is installed, else the plain one."""
+    try:
+        return _TqdmProgress(label, stream, enabled=enabled, delay_s=delay_s)
+    except ImportError:
+        return _Progress(label, stream, enabled=enabled, delay_s=delay_s)
+
+
 class _Progress:
-    """A one-line text progress bar that appears only once a run has lasted a few seconds."""
+    """A one-line text progress bar that appears only once a run has lasted a few seconds.
+
+    The fallback when tqdm is not installed.
+    """
 
     def __init__(self, label: str, stream: TextIO, *, enabled: bool, delay_s: float = 2.0) -> None:
         self.label = label
@@ -239,6 +293,21 @@ def _parser() -> argparse.ArgumentParser:
         help="largest relative difference accepted (default 1e-4)",
     )
     p.add_argument("--no-progress", action="store_true", help="never draw the progress bar")
+    p.add_argument(
+        "--json", metavar="PATH", type=Path, help="also write the figures to PATH as JSON"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        type=Path,
+        help="draw per-step time with and without prefix caching and the hit rate over the run "
+        "into PATH (.png, .svg or .pdf; needs matplotlib)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the cache's log lines (logger 'omni_cache', INFO) to stderr",
+    )
     return p
 
 
@@ -254,7 +323,7 @@ def _run_reference(
     config: EngineConfig,
     specs: Sequence[RequestSpec],
     device: str,
-    progress: _Progress,
+    progress: Progress,
 ) -> tuple[RunReport, Talker]:
     talker = Talker({s.req_id: len(s.prompt) for s in specs}, d_model=model.config.d_model)
     engine = Engine(model, attrs.evolve(config, enable_prefix_caching=False), device=device)
@@ -270,7 +339,7 @@ def _run_cached(
     specs: Sequence[RequestSpec],
     device: str,
     args: argparse.Namespace,
-    progress: _Progress,
+    progress: Progress,
 ) -> tuple[RunReport, Talker, CacheStats]:
     talker = Talker({s.req_id: len(s.prompt) for s in specs}, d_model=model.config.d_model)
     engine = Engine(model, config, device=device)
@@ -334,6 +403,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     num_requests = args.requests if args.requests is not None else (48 if args.quick else 200)
     if num_requests <= 0:
         parser.error("--requests must be positive")
+    if args.plot is not None:
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            parser.error(str(exc))
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not path.parent.is_dir():
+            parser.error(f"{flag} {path}: the folder {path.parent} does not exist")
     out = sys.stdout
     specs = make_workload(WorkloadConfig(num_requests=num_requests, seed=args.seed))
     model = TinyCausalLM(ModelConfig(seed=args.seed))
@@ -351,10 +428,73 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (and against the output builder and committer threads) and cost more than they bring.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    logger = logging.getLogger("omni_cache")
+    level = logger.level
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("  [%(name)s %(levelname)s] %(message)s"))
+    if args.verbose:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         return _demo(args, specs, model, config, device, out)
     finally:
         torch.set_num_threads(threads)
+        if args.verbose:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+def _run_figures(report: RunReport) -> dict[str, Any]:
+    return {
+        "steps": report.steps,
+        "wall_s": report.wall_s,
+        "tokens_per_s": report.tokens_per_s,
+        "prompt_tokens": report.prompt_tokens,
+        "hit_tokens": report.hit_tokens,
+        "hit_rate": report.hit_rate,
+        "computed_tokens": report.computed_tokens,
+        "total_tokens": report.total_tokens,
+        "evictions": report.evictions,
+        "block_reuses": report.block_reuses,
+        "aborted": len(report.aborted),
+        "per_step": {
+            "seconds": list(report.step_s),
+            "tokens": list(report.step_tokens),
+            "admitted_prompt_tokens": list(report.step_prompt_tokens),
+            "hit_tokens": list(report.step_hit_tokens),
+            "requests_done": list(report.step_done),
+        },
+    }
+
+
+def _figures(
+    args: argparse.Namespace,
+    specs: Sequence[RequestSpec],
+    config: EngineConfig,
+    device: str,
+    ref: RunReport,
+    got: RunReport,
+    stats: CacheStats,
+    cmp: Comparison,
+    ok: bool,
+) -> dict[str, Any]:
+    """Everything the text report says, as plain JSON values."""
+    return {
+        "ok": ok,
+        "tolerance": args.tolerance,
+        "workload": {"requests": len(specs), "seed": args.seed},
+        "engine": {**attrs.asdict(config), "device": device},
+        "full_recompute": _run_figures(ref),
+        "prefix_cache": _run_figures(got),
+        "throughput_ratio": got.tokens_per_s / ref.tokens_per_s,
+        "comparison": {
+            k: list(v) if isinstance(v, tuple) else v for k, v in attrs.asdict(cmp).items()
+        },
+        "cache_stats": {
+            k: dict(v) if isinstance(v, Mapping) else v
+            for k, v in attrs.asdict(stats, recurse=False).items()
+        },
+    }
 
 
 def _demo(
@@ -374,7 +514,7 @@ def _demo(
     show = not args.no_progress and sys.stderr.isatty()
     _warm_up(model, config, device)
     ref = _run_reference(
-        model, config, specs, device, _Progress("full recompute", sys.stderr, enabled=show)
+        model, config, specs, device, make_progress("full recompute", sys.stderr, enabled=show)
     )
     got_report, got_talker, stats = _run_cached(
         model,
@@ -382,7 +522,7 @@ def _demo(
         specs,
         device,
         args,
-        _Progress("prefix cache + omni cache", sys.stderr, enabled=show),
+        make_progress("prefix cache + omni cache", sys.stderr, enabled=show),
     )
     cmp = compare_runs(specs, ref, (got_report, got_talker))
     ref_report = ref[0]
@@ -408,6 +548,16 @@ def _demo(
     ]
     for line in lines:
         out.write(f"  {line}\n")
+    if args.json is not None:
+        figures = _figures(args, specs, config, device, ref_report, got_report, stats, cmp, ok)
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        out.write(f"  figures written to {args.json}\n")
+    if args.plot is not None:
+        title = (
+            f"omni-cache demo: {len(specs)} requests over shared system prompts, device {device}"
+        )
+        write_plot(args.plot, ref_report, got_report, title)
+        out.write(f"  plot written to {args.plot}\n")
     if ok:
         out.write(f"OK: differences within {args.tolerance:g} relative\n")
         return 0
