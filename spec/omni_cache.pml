@@ -11,11 +11,14 @@
  * records. spec/MODEL.md says what is abstracted and why the bounds suffice.
  *
  * Processes, one per real thread:
- *   Engine    - composes each engine step (finish and abort events, starts
- *               with hits, scheduling), calls new_step_starts, then
- *               save_outputs: save barrier, budget flush, page claim, save.
+ *   Engine    - composes each engine step (finish, abort and preempt
+ *               events, starts and resumes with hits, scheduling), calls
+ *               new_step_starts, then save_outputs: save barrier, budget
+ *               flush, page claim, save.
  *   Builder   - the async output builder: materialize or discard_step of any
- *               unconsumed step, in any order, possibly a step late.
+ *               unconsumed step, in any order, possibly a step late; a
+ *               materialize hands each request the positions it has not
+ *               had yet (DLV-2) or is refused (DLV-5).
  *   Committer - the committer thread: copy stage, HOST_READY, pool write,
  *               publish the completion record, wake; it may fail.
  *   Clock     - lets the deadline of a blocked wait pass (FAIL-3).
@@ -27,6 +30,9 @@
  * Values: a row is named by the engine step that computed it (1..MAXSTEP),
  * 0 stands for zeros. A read that returns 2 returned the rows step 2
  * computed; the oracle compares that with the engine's own ground truth.
+ * A position of a request is recomputed after a resume under another step
+ * number; its value (what a full recompute gives, DLV-6) is named apart,
+ * by admission and position (see "Ground truth of delivery").
  *
  * Safety: CHECK(RULE, condition) is assert(RULE || condition) with RULE a
  * constant 0, so pan's message names the rule. Liveness: the ltl blocks at
@@ -80,6 +86,14 @@
 #ifndef DIVERGED
 #define DIVERGED 1      /* 0 disables diverged hits */
 #endif
+/* Preemptions per run (LIFE-3): a running request loses its blocks and may
+ * come back RESUMED (LIFE-4) in that step or a later one, with a hit of 0 or
+ * one block; the delivery cursor (DLV-2) then sits below, at or above the
+ * resume's hit_end depending on how far the builder got. One preemption
+ * already gives every such case within three steps; 0 switches them off. */
+#ifndef PREEMPTS
+#define PREEMPTS 1
+#endif
 
 /* ------------------------------------------------------------ encodings */
 
@@ -129,6 +143,10 @@
 #define RE_SLOT(e) (s_hblk[RE_STEP(e)] * 2 + (e) % 2)
 #define BIT(x) (1 << (x))
 #define HAS(m, x) ((((m) >> (x)) & 1) == 1)
+#define NBITS(m) (((m) & 1) + (((m) >> 1) & 1) + (((m) >> 2) & 1) + (((m) >> 3) & 1))
+#define MAX(x, y) ((x) > (y) -> (x) : (y))
+/* Per step and request: index of the step's delivery record. */
+#define SR(K, r) ((K) * 2 + (r))
 
 /* Read error names in the trace. */
 mtype = { hit4, hit6, failed };
@@ -139,20 +157,31 @@ mtype = { hit4, hit6, failed };
 #define W_DISCARD 2
 #define W_READ 3
 #define W_TIMEOUT 4
+#define W_ORDER 5       /* DLV-5: refused, nothing changed, the step stays open */
 
 /* Rule names for assertion messages; always 0. */
 hidden byte STEP_1, STEP_2, STEP_5, PAGE_2, PAGE_3, SLOT_2, SLOT_3, SLOT_4;
 hidden byte TASK_1, TASK_2, TASK_3, TASK_6, BUDGET_1, HIT_4, HIT_5, HIT_6;
 hidden byte FAIL_1, FAIL_3, MODEL_BOUND, REACHED;
+hidden byte LIFE_1, LIFE_2, LIFE_3, DLV_1, DLV_2, DLV_3, DLV_4, DLV_5, DLV_6;
 #define CHECK(rule, c) assert(rule || (c))
 
 /* Reachability probes: with -DPROBES every probe is an assertion that
  * fails when its situation is reached, so a run lists which of the
- * situations the bounds can produce (spec/run_checks.sh requires all). */
+ * situations the bounds can produce (spec/run_checks.sh requires all).
+ * With -DPROBE=k only probe k counts, and the run fails at its very end
+ * once it went through it: pan's trail is then a whole run showing that
+ * situation, which `spin -t` prints as a trace (the trace replay's
+ * regression cases are made so). */
 #ifdef PROBES
 #define REACH(k) assert(REACHED == (k))
 #else
+#ifdef PROBE
+bool g_probe;
+#define REACH(k) if :: (k) == PROBE -> g_probe = 1 :: else -> skip fi
+#else
 #define REACH(k) skip
+#endif
 #endif
 
 /* ------------------------------------------------------------- state */
@@ -162,7 +191,10 @@ hidden byte FAIL_1, FAIL_3, MODEL_BOUND, REACHED;
 byte gt0[NSLOT];
 byte gt1[NSLOT];
 /* Engine block tables. */
-bool e_live[NREQ];
+bool e_live[NREQ];                /* admitted and not ended (running or preempted) */
+bool e_pre[NREQ];                 /* preempted: live for delivery, no blocks (LIFE-3) */
+byte e_adm[NREQ];                 /* its admission, numbered 1..STARTS in start order */
+byte preempts_left = PREEMPTS;
 bool e_emit[NREQ];                /* the request emits the sparse mm key */
 byte e_pos[NREQ];                 /* tokens computed so far (0..4) */
 byte e_blk[NREQ * 2];             /* block id + 1 per table index, 0 none */
@@ -172,7 +204,9 @@ bool b_virgin[NBLK] = 1;          /* never computed at all */
 byte starts_left = STARTS;
 /* This step's composition (cleared after the save). */
 bool c_fin[NREQ];
-bool c_new[NREQ];
+bool c_pre[NREQ];                 /* a PREEMPTED record */
+byte c_res[NREQ];                 /* a RESUMED record: hit_end + 1 */
+byte c_new[NREQ];                 /* a STARTED record: hit_end + 1 */
 bool c_emit[NREQ];
 byte c_mask[NREQ];                /* slots scheduled per request */
 byte m_imm;                       /* all slots of the step (hidden key) */
@@ -229,6 +263,31 @@ byte r_ver[NRE];
 byte r_pres[NRE];                 /* preserved row + 1 (copy-on-write) */
 byte r_exp[NRE];                  /* ghost: what the read must return */
 
+/* Core: requests and delivery (LIFE, DLV), per admission a = 1..STARTS. */
+#define NADM (STARTS + 2)
+bool r_pre[NREQ];                 /* the core's view: the request is preempted */
+byte a_c[NADM];                   /* next position of its rows (DLV-1) */
+byte a_d[NADM];                   /* delivery cursor (DLV-2) */
+byte s_adm[(MAXSTEP + 2) * 2];    /* per step and request: the admission it carries */
+byte s_lo[(MAXSTEP + 2) * 2];     /* ... and the positions [lo, hi): hit rows, own rows */
+byte s_hi[(MAXSTEP + 2) * 2];
+byte s_ref;                       /* steps refused (DLV-5) since the last consume ended */
+
+/* Ground truth of delivery. Each position of an admission has a value, the
+ * one a full recompute gives: positions are named by admission and position
+ * (a * 4 + p), except the positions a STARTED hit covers, which carry the
+ * values of the rows the hit found (a_tok). A recompute after a resume gives
+ * the same names, so a row computed twice has one value under two step
+ * numbers. g_wc is what each step computed in each slot (by value). */
+byte g_wc[(MAXSTEP + 1) * NSLOT];
+byte a_tok[NADM * 2];             /* values of positions 0, 1 inherited from a hit */
+byte g_dl[NADM];                  /* positions delivered (DLV-2), a mask */
+byte g_top[NADM];                 /* positions saved so far: [0, g_top) */
+bool g_skip[NADM];                /* a step carrying undelivered positions of it was
+                                   * discarded or failed (DLV-4) */
+#define TRUTH(a, p) ((p) < 2 && a_tok[(a) * 2 + (p)] != 0 -> a_tok[(a) * 2 + (p)] : (a) * 4 + (p))
+#define CONT(s) (gt0[s] == 0 -> 0 : g_wc[gt0[s] * NSLOT + (s)])
+
 /* Budget (BUDGET-1): one unit per clone allocation. */
 bit tk_imm[MAXSTEP + 2];
 byte tk_def[MAXSTEP + 2];         /* tasks still viewing the deferred clone */
@@ -247,6 +306,7 @@ bool comm_done;
 
 /* Temporaries, only used inside atomic sequences that cannot block. */
 hidden byte dt, ds, dk, co, ce, qi, uk, bk, bsum, pe, px, fb, fq, fn, cs1, sv0, sv1, sv2;
+hidden byte da, dr, dlo, dhi, dst, den, dp, dsh, og, cres;
 
 /* ---------------------------------------------------------- helpers */
 
@@ -557,8 +617,19 @@ inline plan_reads(K) {
      :: px == O_COMMITTED ->
         r_src[pe] = R_POOL; r_ver[pe] = ver[SK(RE_SLOT(pe), RE_KEY(pe))]
      :: IS_TID(px) ->
+#ifdef BUG_RESUME_READS_POOL
+        /* A resume takes the request's own deferred writes, escalated at its
+         * PREEMPTED, for landed: it reads the pool before they are written. */
+        if
+        :: cres && RE_KEY(pe) == 1 && t_st[px] >= T_QUEUED ->
+           r_src[pe] = R_POOL; r_ver[pe] = ver[SK(RE_SLOT(pe), 1)]
+        :: else ->
+#endif
         r_src[pe] = (RE_KEY(pe) == 0 -> R_AFTER : R_TASK); r_tid[pe] = px;
         r_ver[pe] = ver[SK(RE_SLOT(pe), RE_KEY(pe))]
+#ifdef BUG_RESUME_READS_POOL
+        fi
+#endif
      :: else ->
         r_src[pe] = (RE_KEY(pe) == 0 -> R_HIT4 : R_ZEROS)
      fi;
@@ -654,6 +725,7 @@ inline schedule(K, r, n) {
      fq = (e_blk[r * 2 + e_pos[r] / 2] - 1) * 2 + e_pos[r] % 2;
      c_mask[r] = c_mask[r] | BIT(fq);
      gt0[fq] = K;
+     g_wc[K * NSLOT + fq] = TRUTH(e_adm[r], e_pos[r]);
      b_fill[fq / 2]++;
      if
      :: b_fill[fq / 2] == BS -> b_cached[fq / 2] = 1   /* hash published at allocation */
@@ -722,7 +794,8 @@ inline maybe_start(K, r, n, hb) {
      fi;
      if
      :: hb != 255 ->
-        starts_left--; e_live[r] = 1; c_new[r] = 1;
+        starts_left--; e_live[r] = 1; c_new[r] = (hb == 0 -> 1 : BS + 1);
+        e_adm[r] = STARTS - starts_left;
         /* Whether this request emits the sparse mm key (in every step it
          * runs); a tenant that does not emit it after one that did is the
          * SLOT-4 case. The first request of a run emits it: a run that
@@ -738,6 +811,9 @@ inline maybe_start(K, r, n, hb) {
         :: else ->
            e_blk[r * 2] = hb; e_pos[r] = BS;
            s_hreq[K] = r + 1; s_hblk[K] = hb - 1;
+           /* The hit's positions have the values of the rows it found. */
+           a_tok[e_adm[r] * 2] = CONT((hb - 1) * 2);
+           a_tok[e_adm[r] * 2 + 1] = CONT((hb - 1) * 2 + 1);
            printf("ACT start step=%d req=%d hit=%d blk=%d key1=%d\n", K, r, BS, hb - 1, e_emit[r])
         fi;
         /* A new request computes a whole block. Only the first request of
@@ -754,6 +830,147 @@ inline maybe_start(K, r, n, hb) {
      :: else -> skip
      fi;
      hb = 255
+  :: else -> skip
+  fi
+}
+
+/* An admission that has ended and that no unconsumed step carries is gone:
+ * every position it saved was delivered exactly once, unless a step that
+ * carried some was discarded or failed (DLV-2, DLV-4). Its data is forgotten. */
+#define CARRIED(a) (s_adm[SR(1, 0)] == (a) || s_adm[SR(1, 1)] == (a) || \
+                    s_adm[SR(2, 0)] == (a) || s_adm[SR(2, 1)] == (a) || \
+                    s_adm[SR(3, 0)] == (a) || s_adm[SR(3, 1)] == (a) || \
+                    s_adm[SR(4, 0)] == (a) || s_adm[SR(4, 1)] == (a))
+inline retire(a) {
+  if
+  :: a != 0 && e_adm[0] != a && e_adm[1] != a && !CARRIED(a) ->
+     CHECK(DLV_2, g_skip[a] || g_dl[a] == BIT(g_top[a]) - 1);
+     a_c[a] = 0; a_d[a] = 0; g_dl[a] = 0; g_top[a] = 0; g_skip[a] = 0;
+     a_tok[a * 2] = 0; a_tok[a * 2 + 1] = 0
+  :: else -> skip
+  fi
+}
+
+/* The engine's records for a live request, before anything is scheduled
+ * (HIT-2, LIFE-2): a running request may finish (or abort), be preempted,
+ * or run on; one whose block table is full has nothing left to compute and
+ * finishes. A preempted request may finish, or stay preempted and perhaps
+ * come back RESUMED below, in this very step or a later one. */
+inline end_or_preempt(K, r) {
+  if
+  :: e_live[r] ->
+     if
+     :: c_fin[r] = 1
+     :: !e_pre[r] && e_pos[r] < 4 -> skip
+     :: e_pre[r] -> skip
+     :: !e_pre[r] && e_pos[r] < 4 && preempts_left > 0 -> c_pre[r] = 1
+     fi
+  :: else -> skip
+  fi;
+  if
+  :: c_fin[r] ->
+     e_live[r] = 0; e_pre[r] = 0; e_blk[r * 2] = 0; e_blk[r * 2 + 1] = 0; e_pos[r] = 0;
+     printf("ACT finish step=%d req=%d\n", K, r);
+     /* LIFE-1: the admission ends; its unconsumed steps may still be consumed. */
+     dr = e_adm[r]; e_adm[r] = 0; retire(dr); dr = 0
+  :: c_pre[r] ->
+     /* LIFE-3: the request's KV blocks are gone; it stays live for delivery. */
+     preempts_left--; e_pre[r] = 1; e_blk[r * 2] = 0; e_blk[r * 2 + 1] = 0; e_pos[r] = 0;
+     printf("ACT preempt step=%d req=%d\n", K, r)
+  :: else -> skip
+  fi
+}
+
+/* LIFE-4: a preempted request may come back with a fresh block list and a
+ * hit of 0 or of one cached block whose rows are its own first positions
+ * (the engine's prefix hash: same tokens, same values). Its positions restart
+ * at hit_end. DLV-3: the core opens the hit from the delivery cursor's block
+ * on, so only when hit_end is above the cursor; the cursor is wherever the
+ * builder got, below, at or above hit_end. */
+#define RESUMES_ON(r, b) (b_cached[b] && CONT((b) * 2) == TRUTH(e_adm[r], 0) && \
+                          CONT((b) * 2 + 1) == TRUTH(e_adm[r], 1))
+inline maybe_resume(K, r, n, hb) {
+  if
+  :: e_pre[r] ->
+     if
+     :: skip                                 /* stays preempted */
+     :: NFREE > 0 -> hb = 0
+     :: s_hreq[K] == 0 && RESUMES_ON(r, 0) && NFREE - (BLK_USED(0) -> 0 : 1) > 0 -> hb = 1
+     :: s_hreq[K] == 0 && RESUMES_ON(r, 1) && NFREE - (BLK_USED(1) -> 0 : 1) > 0 -> hb = 2
+     fi;
+     if
+     :: hb != 255 ->
+        e_pre[r] = 0;
+        dr = e_adm[r];
+#ifdef BUG_RESUME_REDELIVERS
+        /* The resume restarts the delivery cursor as a STARTED would. */
+        a_d[dr] = 0;
+#endif
+        if
+        :: hb == 0 ->
+           e_pos[r] = 0; c_res[r] = 1;
+           printf("ACT resume step=%d req=%d hit=0 blk=-1\n", K, r)
+        :: else ->
+           e_blk[r * 2] = hb; e_pos[r] = BS; c_res[r] = BS + 1;
+           if
+           :: a_d[dr] < BS -> s_hreq[K] = r + 1; s_hblk[K] = hb - 1
+           :: else -> skip
+           fi;
+           printf("ACT resume step=%d req=%d hit=%d blk=%d\n", K, r, BS, hb - 1)
+        fi;
+        dr = 0;
+        /* Like a new request, it computes a whole block where it can. */
+        n = (CAN(r, 2) -> 2 : 1);
+        choose_new_tokens(K, r, n)
+     :: else -> skip
+     fi;
+     hb = 255
+  :: else -> skip
+  fi
+}
+
+/* new_step_starts, the core's side of a finish or a preemption: the
+ * request's open writes are escalated (TASK-4, LIFE-3). */
+inline apply_end(r) {
+  if
+  :: c_fin[r] || c_pre[r] ->
+     /* LIFE-2: PREEMPTED only of a running request. */
+     CHECK(LIFE_2, c_fin[r] || !r_pre[r]);
+     if
+     :: r_def[r] != 0 && t_st[r_def[r]] < T_WRITTEN -> esc = esc | BIT(r_def[r])
+     :: else -> skip
+     fi;
+     escalate(r_def[r]); escalate(r_jns[r]);
+     /* LIFE-3: nothing computed is lost: the open deferred write is on its way. */
+     CHECK(LIFE_3, r_def[r] == 0 || t_st[r_def[r]] != T_PENDING);
+     r_def[r] = 0; r_jns[r] = 0;
+     r_pre[r] = c_pre[r]
+  :: else -> skip
+  fi
+}
+
+/* new_step_starts, the core's side of a STARTED or RESUMED record. */
+inline apply_start(K, r) {
+  if
+  :: c_new[r] != 0 ->
+     /* LIFE-1: a new admission has fresh delivery state. */
+     CHECK(LIFE_1, a_c[e_adm[r]] == 0 && a_d[e_adm[r]] == 0 && g_dl[e_adm[r]] == 0);
+     a_c[e_adm[r]] = c_new[r] - 1
+  :: c_res[r] != 0 ->
+     /* LIFE-2: RESUMED only of a preempted request. LIFE-4: its positions
+      * restart at hit_end. DLV-3: a hit exactly when hit_end is above the
+      * cursor. */
+     CHECK(LIFE_2, r_pre[r]);
+     r_pre[r] = 0;
+     a_c[e_adm[r]] = c_res[r] - 1;
+     CHECK(DLV_3, (s_hreq[K] == r + 1) == (c_res[r] - 1 > a_d[e_adm[r]]));
+     if
+     :: c_res[r] - 1 > a_d[e_adm[r]] -> REACH(24)                    /* hit_end above the cursor */
+     :: c_res[r] - 1 == a_d[e_adm[r]] && a_d[e_adm[r]] > 0 -> REACH(25)   /* ... at it */
+     :: c_res[r] - 1 < a_d[e_adm[r]] && c_res[r] > 1 -> REACH(26)     /* ... below it */
+     :: c_res[r] == 1 && a_d[e_adm[r]] > 0 -> REACH(27)               /* 0, positions delivered */
+     :: else -> skip
+     fi
   :: else -> skip
   fi
 }
@@ -779,38 +996,23 @@ proctype Engine() {
   :: K > MAXSTEP -> break
   :: K <= MAXSTEP ->
      atomic {
-       /* Compose the step: finish/abort events first (HIT-2), then running
-        * requests are scheduled (their completed blocks become hittable in
-        * this very step), then new requests start. */
-       /* A request whose block table is full has nothing left to compute
-        * and finishes; any other running request may finish or abort. */
+       /* Compose the step: finish, abort and preempt events first (HIT-2,
+        * LIFE-2), then running requests are scheduled (their completed
+        * blocks become hittable in this very step), then preempted requests
+        * resume and new requests start. */
+       end_or_preempt(K, 0);
+       end_or_preempt(K, 1);
        if
-       :: e_live[0] -> if :: c_fin[0] = 1 :: e_pos[0] < 4 -> skip fi
+       :: e_live[0] && !e_pre[0] -> choose_tokens(K, 0, n)
        :: else -> skip
        fi;
        if
-       :: e_live[1] -> if :: c_fin[1] = 1 :: e_pos[1] < 4 -> skip fi
+       :: e_live[1] && !e_pre[1] -> choose_tokens(K, 1, n)
        :: else -> skip
        fi;
-       if
-       :: c_fin[0] -> e_live[0] = 0; e_blk[0] = 0; e_blk[1] = 0; e_pos[0] = 0;
-          printf("ACT finish step=%d req=0\n", K)
-       :: else -> skip
-       fi;
-       if
-       :: c_fin[1] -> e_live[1] = 0; e_blk[2] = 0; e_blk[3] = 0; e_pos[1] = 0;
-          printf("ACT finish step=%d req=1\n", K)
-       :: else -> skip
-       fi;
-       if
-       :: e_live[0] -> choose_tokens(K, 0, n)
-       :: else -> skip
-       fi;
-       if
-       :: e_live[1] -> choose_tokens(K, 1, n)
-       :: else -> skip
-       fi;
+       maybe_resume(K, 0, n, hb);
        maybe_start(K, 0, n, hb);
+       maybe_resume(K, 1, n, hb);
        maybe_start(K, 1, n, hb);
        m_imm = c_mask[0] | c_mask[1];
        m_def = (c_emit[0] -> c_mask[0] : 0) | (c_emit[1] -> c_mask[1] : 0);
@@ -844,26 +1046,14 @@ proctype Engine() {
              serr = 1
           :: else ->
              CHECK(FAIL_1, !g_fail_pub);
+             /* Finishes and preemptions first, then starts and resumes (LIFE-2). */
+             apply_end(0);
+             apply_end(1);
+             apply_start(K, 0);
+             apply_start(K, 1);
              if
-             :: c_fin[0] ->
-                if
-                :: r_def[0] != 0 && t_st[r_def[0]] < T_WRITTEN -> esc = esc | BIT(r_def[0])
-                :: else -> skip
-                fi;
-                escalate(r_def[0]); escalate(r_jns[0]); r_def[0] = 0; r_jns[0] = 0
-             :: else -> skip
-             fi;
-             if
-             :: c_fin[1] ->
-                if
-                :: r_def[1] != 0 && t_st[r_def[1]] < T_WRITTEN -> esc = esc | BIT(r_def[1])
-                :: else -> skip
-                fi;
-                escalate(r_def[1]); escalate(r_jns[1]); r_def[1] = 0; r_jns[1] = 0
-             :: else -> skip
-             fi;
-             if
-             :: s_hreq[K] != 0 -> plan_reads(K)
+             :: s_hreq[K] != 0 ->
+                cres = c_res[s_hreq[K] - 1]; plan_reads(K); cres = 0
              :: else -> skip
              fi;
              printf("ACT new_step step=%d -> ok\n", K)
@@ -1077,6 +1267,29 @@ proctype Engine() {
              n = 0; fn = 0; ft = 0;
              bpend = 0;
              budget_inv();
+             /* DLV-1: each request's rows are the positions from its count on;
+              * a request that registered a hit here carries the hit's rows
+              * first. The count is the core's, kept from the records alone:
+              * it must be the position the engine computed from (LIFE-4). */
+             do
+             :: n < NREQ ->
+                if
+                :: c_mask[n] != 0 ->
+                   CHECK(LIFE_3, !r_pre[n]);         /* D9: no preempted request saves */
+                   dr = e_adm[n];
+                   CHECK(DLV_1, a_c[dr] + NBITS(c_mask[n]) == e_pos[n]);
+                   s_adm[SR(K, n)] = dr;
+                   s_lo[SR(K, n)] = (s_hreq[K] == n + 1 -> 0 : a_c[dr]);
+                   a_c[dr] = a_c[dr] + NBITS(c_mask[n]);
+                   s_hi[SR(K, n)] = a_c[dr];
+                   g_top[dr] = MAX(g_top[dr], a_c[dr]);
+                   dr = 0
+                :: else -> skip
+                fi;
+                n++
+             :: else -> break
+             od;
+             n = 0;
              if
              :: s_hreq[K] != 0 -> replan_reads(K)
              :: else -> skip
@@ -1104,6 +1317,11 @@ proctype Engine() {
        :: else -> skip
        fi;
        c_new[0] = 0; c_new[1] = 0; c_emit[0] = 0; c_emit[1] = 0;
+       c_res[0] = 0; c_res[1] = 0;
+       if
+       :: !idle -> c_pre[0] = 0; c_pre[1] = 0
+       :: else -> skip
+       fi;
        c_mask[0] = 0; c_mask[1] = 0; m_imm = 0; m_def = 0; m_abs = 0;
        if
        :: !idle -> K++
@@ -1144,7 +1362,11 @@ proctype Engine() {
     fi;
     r_def[0] = 0; r_jns[0] = 0; r_def[1] = 0; r_jns[1] = 0;
     e_live[0] = 0; e_live[1] = 0; e_emit[0] = 0; e_emit[1] = 0;
-    c_fin[0] = 0; c_fin[1] = 0;
+    e_pre[0] = 0; e_pre[1] = 0; r_pre[0] = 0; r_pre[1] = 0;
+    c_fin[0] = 0; c_fin[1] = 0; c_pre[0] = 0; c_pre[1] = 0;
+    e_blk[0] = 0; e_blk[1] = 0; e_blk[2] = 0; e_blk[3] = 0; e_pos[0] = 0; e_pos[1] = 0;
+    dr = e_adm[0]; e_adm[0] = 0; retire(dr);
+    dr = e_adm[1]; e_adm[1] = 0; retire(dr); dr = 0;
     eng_done = 1
   };
   bld_done;
@@ -1201,7 +1423,13 @@ inline read_one(e, K) {
   :: r_src[e] == R_TASK ->
      if
      :: t_st[r_tid[e]] == T_FAILED -> px = 0; pe = E_FAILED
-     :: else -> px = t_val[r_tid[e] * NSLOT + RE_SLOT(e)]; pe = E_OK; REACH(2)  /* a deferred write's own rows */
+     :: else -> px = t_val[r_tid[e] * NSLOT + RE_SLOT(e)]; pe = E_OK; REACH(2);  /* a deferred write's own rows */
+        if
+        :: t_st[r_tid[e]] < T_WRITTEN &&
+           g_wc[px * NSLOT + RE_SLOT(e)] == s_adm[SR(K, s_hreq[K] - 1)] * 4 + e % 2 ->
+           REACH(30)               /* ... which its own admission computed: a resume's hit */
+        :: else -> skip
+        fi
      fi
   :: r_src[e] == R_ZEROS ->
      px = 0; pe = E_OK;
@@ -1243,7 +1471,13 @@ inline check_read(e, K) {
      CHECK(HIT_4, r_exp[e] != EXP_ERR);
      CHECK(SLOT_4, RE_KEY(e) == 0 || r_exp[e] != 0 || px == 0);
      CHECK(HIT_5, r_src[e] != R_THIS || px == r_exp[e]);
-     CHECK(HIT_6, px == r_exp[e])
+     CHECK(HIT_6, px == r_exp[e]);
+     /* DLV-6: the row is what a full recompute gives at its position (the
+      * hit covers positions 0 and 1): the row its step computed in that
+      * slot has the admission's value there. Zeros are a value only for
+      * the sparse key (absence, SLOT-4). */
+     CHECK(DLV_6, (RE_KEY(e) == 1 && px == 0) ||
+                  g_wc[px * NSLOT + RE_SLOT(e)] == TRUTH(s_adm[SR(K, s_hreq[K] - 1)], e % 2))
   fi
   }
 }
@@ -1254,6 +1488,28 @@ inline check_read(e, K) {
 inline end_consume(K, e, err) {
   CHECK(STEP_1, s_st[K] == S_TAKEN);
   s_st[K] = S_CONSUMED; nopen--;
+  /* DLV-4: a discard or a failed consume delivers nothing and moves no
+   * cursor. The step's delivery records go, and with them perhaps the last
+   * trace of an ended admission. */
+  dr = 0;
+  do
+  :: dr < NREQ ->
+     da = s_adm[SR(K, dr)];
+     if
+     :: da != 0 ->
+        if
+        :: err != W_OK && s_hi[SR(K, dr)] > a_d[da] -> g_skip[da] = 1
+        :: else -> skip
+        fi;
+        s_adm[SR(K, dr)] = 0; s_lo[SR(K, dr)] = 0; s_hi[SR(K, dr)] = 0;
+        retire(da)
+     :: else -> skip
+     fi;
+     dr++
+  :: else -> break
+  od;
+  dr = 0; da = 0;
+  s_ref = 0;
   if
   :: pg_step[s_page[K]] == K -> pg_step[s_page[K]] = 0
   :: else -> skip
@@ -1277,10 +1533,99 @@ inline end_consume(K, e, err) {
   K = 0; e = 0; err = 0
 }
 
+/* DLV-5: would a materialize of step K hand a request positions above a gap
+ * that an earlier unconsumed step of the same admission carries? */
+inline order_gap(K) {
+  d_step {
+  og = 0; dr = 0;
+  do
+  :: dr < NREQ ->
+     da = s_adm[SR(K, dr)];
+     if
+     :: da != 0 && s_lo[SR(K, dr)] > a_d[da] ->
+        dp = 1;
+        do
+        :: dp < K ->
+           if
+           :: s_st[dp] == S_OPEN && s_adm[SR(dp, dr)] == da && s_hi[SR(dp, dr)] > a_d[da] -> og = 1
+           :: else -> skip
+           fi;
+           dp++
+        :: else -> break
+        od
+     :: else -> skip
+     fi;
+     dr++
+  :: else -> break
+  od;
+  dr = 0; da = 0; dp = 0
+  }
+}
+
+/* DLV-2: the materialize of step K hands each of its requests the positions
+ * [max(lo, d), hi) and moves the cursor d to hi. The ghost checks each
+ * position is handed out once per admission and in order, that nothing
+ * below the cursor is left out except after a discard or a failure (DLV-4),
+ * and that no gap an unconsumed earlier step carries is passed over (DLV-5).
+ * DLV-7: the positions are printed for the consumer. */
+inline deliver(K) {
+  d_step {
+  dr = 0;
+  do
+  :: dr < NREQ ->
+     da = s_adm[SR(K, dr)];
+     if
+     :: da != 0 ->
+        dlo = s_lo[SR(K, dr)]; dhi = s_hi[SR(K, dr)];
+        dst = MAX(dlo, a_d[da]); den = MAX(dhi, dst);
+        dp = 1;
+        do
+        :: dp < K ->
+           CHECK(DLV_5, dst <= a_d[da] || s_st[dp] != S_OPEN || s_adm[SR(dp, dr)] != da ||
+                        s_hi[SR(dp, dr)] <= a_d[da]);
+           dp++
+        :: else -> break
+        od;
+        CHECK(DLV_4, dst <= a_d[da] || g_skip[da]);
+        if
+        :: dst > a_d[da] -> REACH(29)              /* positions passed over after a discard */
+        :: else -> skip
+        fi;
+        if
+        :: dst > dlo -> REACH(28)                  /* rows below the cursor not handed out again */
+        :: else -> skip
+        fi;
+        if
+        :: e_pre[dr] && e_adm[dr] == da -> REACH(31)   /* delivery to a preempted request */
+        :: e_adm[dr] != 0 && e_adm[dr] != da -> REACH(32)   /* to an ended admission, id re-admitted */
+        :: else -> skip
+        fi;
+        dp = dst;
+        do
+        :: dp < den -> CHECK(DLV_2, (g_dl[da] >> dp) == 0); g_dl[da] = g_dl[da] | BIT(dp); dp++
+        :: else -> break
+        od;
+        a_d[da] = MAX(a_d[da], dhi);
+        CHECK(DLV_2, g_skip[da] || g_dl[da] == BIT(a_d[da]) - 1);
+        printf("ACT deliver step=%d req=%d start=%d end=%d\n", K, dr, dst, den)
+     :: else -> skip
+     fi;
+     dr++
+  :: else -> break
+  od;
+  dr = 0; da = 0; dlo = 0; dhi = 0; dst = 0; den = 0; dp = 0
+  }
+}
+
 /* HIT-3: an in-transit immediate row is read from the pool once its write
  * is WRITTEN; one bounded join covers all of them (FAIL-3). */
 #define AFTER_OK(x) (r_src[x] != R_AFTER || t_done[r_tid[x]])
 #define JOIN_OK (AFTER_OK(RE(K, 0, 0)) && AFTER_OK(RE(K, 0, 1)))
+#define PICK(k) (s_st[k] == S_OPEN && !HAS(s_ref, k))
+/* A discard is offered for every step when requests can be preempted (it
+ * then decides which positions are delivered, DLV-4), else for steps with a
+ * hit, where it differs from a materialize. */
+#define DISCARDABLE(k) (PREEMPTS > 0 || s_hreq[k] != 0)
 
 proctype Builder() {
   byte K;
@@ -1290,41 +1635,68 @@ proctype Builder() {
   do
   :: atomic {
        /* Begin: pop the step context of any unconsumed step (STEP-1: by id,
-        * not by age). */
-       (s_st[1] == S_OPEN || s_st[2] == S_OPEN || s_st[3] == S_OPEN
+        * not by age), except one refused since the last consume ended
+        * (DLV-5: trying it again could only be refused again). */
+       (PICK(1) || PICK(2) || PICK(3)
 #if MAXSTEP > 3
-        || s_st[4] == S_OPEN
+        || PICK(4)
 #endif
        ) ->
        if
-       :: s_st[1] == S_OPEN -> K = 1
-       :: s_st[2] == S_OPEN -> K = 2
-       :: s_st[3] == S_OPEN -> K = 3
+       :: PICK(1) -> K = 1
+       :: PICK(2) -> K = 2
+       :: PICK(3) -> K = 3
 #if MAXSTEP > 3
-       :: s_st[4] == S_OPEN -> K = 4
+       :: PICK(4) -> K = 4
 #endif
        fi;
        ENTRY_DRAIN;
-       s_st[K] = S_TAKEN;
        if
        :: fatal ->
           /* FAIL-1: the call raises; the step still counts as consumed. */
+          s_st[K] = S_TAKEN;
           printf("ACT materialize step=%d -> error=fatal\n", K);
           REACH(18);
           err = W_FATAL
        :: else ->
           CHECK(FAIL_1, !g_fail_pub);
-          /* discard_step drops only the read side; it is offered for steps
-           * with a hit, where it differs from a materialize. */
+          /* discard_step drops only the read side and delivers nothing
+           * (DLV-4); it is offered where it differs from a materialize. */
           if
-          :: printf("ACT materialize step=%d -> ok\n", K)
-          :: s_hreq[K] != 0 -> printf("ACT discard step=%d -> ok\n", K); err = W_DISCARD
+          :: skip ->
+             order_gap(K);
+#ifdef BUG_ORDER_PASS_OVER
+             /* The materialize ignores the earlier steps still open. */
+             og = 0;
+#endif
+             if
+             :: og ->
+                /* DLV-5: refused; nothing changes and the step stays open. */
+                og = 0; err = W_ORDER;
+                printf("ACT materialize step=%d -> error=order\n", K);
+                CHECK(DLV_5, s_st[K] == S_OPEN && pg_step[s_page[K]] == K);
+                s_ref = s_ref | BIT(K);
+                REACH(23)
+             :: else ->
+                s_st[K] = S_TAKEN;
+                printf("ACT materialize step=%d -> ok\n", K)
+             fi
+          :: DISCARDABLE(K) ->
+             s_st[K] = S_TAKEN;
+             printf("ACT discard step=%d -> ok\n", K); err = W_DISCARD
           fi
+       fi;
+       if
+       :: err == W_ORDER -> K = 0; err = W_OK
+       :: else -> skip
        fi;
 #ifdef BUG_PAGE_EARLY
        /* The page goes back before the builder copied the step's own rows
         * out of it, so a concurrent save can overwrite them (DEV-2). */
-       pg_step[s_page[K]] = 0;
+       if
+       :: K != 0 -> pg_step[s_page[K]] = 0
+       :: else -> skip
+       fi;
 #endif
        if
        :: err != W_OK -> end_consume(K, e, err)
@@ -1355,12 +1727,16 @@ proctype Builder() {
              if
              :: fatal -> printf("ACT join step=%d -> error=fatal\n", K); err = W_FATAL
              :: else ->
-                /* The reads, in a fixed order; the first error raises. */
+                /* The reads, in a fixed order; the first error raises. Only
+                 * the hit rows from the delivery start on are read (DLV-2):
+                 * the hit covers positions 0 and 1, the rows of its block. */
+                dsh = (s_hreq[K] == 0 -> 0 :
+                       MAX(s_lo[SR(K, s_hreq[K] - 1)], a_d[s_adm[SR(K, s_hreq[K] - 1)]]));
                 e = RE(K, 0, 0);
                 do
                 :: e <= RE(K, 1, 1) ->
                    if
-                   :: r_src[e] != R_NONE ->
+                   :: r_src[e] != R_NONE && e % 2 >= dsh ->
                       read_one(e, K);
                       check_read(e, K);
                       if
@@ -1372,7 +1748,11 @@ proctype Builder() {
                    e++
                 :: else -> break
                 od;
-                pe = 0; px = 0;
+                pe = 0; px = 0; dsh = 0;
+                if
+                :: err == W_OK -> deliver(K)
+                :: else -> skip
+                fi;
                 if
                 :: err == W_OK && s_hreq[K] != 0 &&
                    (r_src[RE(K, 0, 0)] == R_THIS) != (r_src[RE(K, 0, 1)] == R_THIS) ->
@@ -1400,6 +1780,9 @@ proctype Builder() {
        /* STEP-1: every issued id was consumed exactly once. */
        CHECK(STEP_1, s_st[1] != S_OPEN && s_st[2] != S_OPEN && s_st[3] != S_OPEN &&
                      s_st[MAXSTEP] != S_OPEN);
+       /* DLV-2: every admission ended and was checked complete. */
+       CHECK(DLV_2, g_top[1] == 0 && g_top[2] == 0 && g_top[STARTS] == 0 && a_d[1] == 0 &&
+                    a_d[2] == 0 && a_d[STARTS] == 0);
        bld_done = 1
      };
      break
@@ -1516,6 +1899,9 @@ end_idle:
        /* End of run: every page free, every write ended, budget empty. */
        CHECK(PAGE_3, PFREE(0) && PFREE(1));
        CHECK(BUDGET_1, bused == 0);
+#ifdef PROBE
+       assert(!g_probe);
+#endif
        comm_done = 1;
        t = 1;
        do

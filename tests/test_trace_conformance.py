@@ -90,15 +90,19 @@ FRESH_TRACES = int(os.environ.get("TRACE_COUNT", "200"))
 MAX_SEEDS = 4 * FRESH_TRACES
 #: Simulation steps per trace; a whole run of the model takes a few hundred.
 MAX_STEPS = 20_000
-#: Model variants the seeds rotate through: the defaults; a budget of one clone (saves flush);
-#: no committer failures and a fourth step (blocks are reused, hits read rows); no failures or
-#: timeouts and a roomy budget (long runs); no committer failures (waits run out instead).
+#: Model variants the seeds rotate through: the defaults (one preemption); a budget of one clone
+#: (saves flush); no committer failures and a fourth step (blocks are reused, hits read rows); no
+#: failures or timeouts and a roomy budget (long runs); no committer failures (waits run out
+#: instead); no preemption; two preemptions over four steps with no faults (resumes whose hit
+#: reads rows, delivery cut below the cursor).
 DEFINES: tuple[tuple[str, ...], ...] = (
     (),
     ("-DBUDGET=1",),
     ("-DFAILURES=0", "-DMAXSTEP=4"),
     ("-DFAILURES=0", "-DTIMEOUTS=0", "-DBUDGET=4"),
     ("-DFAILURES=0",),
+    ("-DPREEMPTS=0",),
+    ("-DFAULTS=0", "-DMAXSTEP=4", "-DPREEMPTS=2", "-DBUDGET=4"),
 )
 
 ACT = re.compile(r"^ACT (?P<name>\w+)(?P<args>(?: \w+=[-\w]+)*)(?: -> (?P<result>.*))?$")
@@ -223,6 +227,38 @@ def simulate(seed: int, defines: Sequence[str]) -> Trace:
     )
 
 
+def counterexample(probe: int, defines: Sequence[str]) -> Trace:
+    """A whole model run that goes through reachability probe `probe` (``REACH(k)``).
+
+    Random simulation seldom reaches some situations (a refused materialize, a resume below
+    the delivery cursor). The model built with ``-DPROBE=k`` fails at the end of any run that
+    went through probe k, so pan's exhaustive search finds one, and ``spin -t`` prints it.
+    Needs gcc; used by hand to make regression traces (see spec/MODEL.md).
+    """
+    flags = (*defines, f"-DPROBE={probe}")
+    with tempfile.TemporaryDirectory() as scratch:
+        shutil.copy(MODEL, scratch)
+
+        def run(*command: str) -> str:
+            proc = subprocess.run(
+                command, cwd=scratch, capture_output=True, text=True, timeout=600, check=True
+            )
+            return proc.stdout + proc.stderr
+
+        run("spin", *flags, "-a", MODEL.name)
+        run("gcc", "-O0", "-DSAFETY", "-DNOCLAIM", "-DCOLLAPSE", "-o", "pan", "pan.c")
+        found = run("./pan", "-m100000")
+        if "assertion violated  !(g_probe)" not in found:
+            raise AssertionError(f"no run reaches probe {probe} with {defines}:\n{found}")
+        output = run("spin", "-t", *flags, MODEL.name)
+    return Trace(
+        source=" ".join([f"pan -DPROBE={probe} counterexample:", *defines, "spec/omni_cache.pml"]),
+        defines=flags,
+        bounds=model_bounds(defines),
+        lines=act_lines(output),
+    )
+
+
 def read_trace_file(path: Path) -> Trace:
     """A committed trace: comment lines (``# defines:``, ``# bounds:``), then action lines."""
     defines: tuple[str, ...] = ()
@@ -294,6 +330,8 @@ class _Consume:
 
     discard: bool
     result: ConsumePlan | AwaitTasks | None = None
+    #: Per request of the step: the positions the model says it delivered (DLV-2, DLV-7).
+    delivered: dict[ReqId, tuple[int, int]] = attrs.Factory(dict)
     error: BaseException | None = None
     error_seen: bool = False
     reads_before_error: int = 0
@@ -341,8 +379,9 @@ class Replay:
         self.handlers = dispatch(self.core)
         self.prefetch = prefetch
         self.now_ns = 0
-        # The step being composed (engine lines before new_step_starts).
-        self.finishes: list[ReqId] = []
+        # The step being composed (engine lines before new_step_starts): finish, abort and
+        # preempt records in order, then start and resume records (LIFE-2).
+        self.finishes: list[tuple[ReqId, PrefixCacheEventKind]] = []
         self.starts: list[PrefixCacheRequestEvent] = []
         self.sched: dict[int, tuple[tuple[int, ...], bool]] = {}
         # The save in progress.
@@ -361,12 +400,15 @@ class Replay:
         self.fed: list[str] = []
         #: What the replay compared: hit rows by source, errors by kind, other checks.
         self.checked: Counter[str] = Counter()
+        #: The trace prints the delivered positions (traces committed before DLV do not).
+        self.delivers = False
 
     # -----------------------------------------------------------------------------------------
     # Driving the core.
 
     def run(self, acts: Sequence[Act]) -> Outcome:
         """Replay every action; the first disagreement raises."""
+        self.delivers = any(act.name == "deliver" for act in acts)
         for act in acts:
             entry = MAP["actions"].get(act.name)
             if entry is None:
@@ -424,7 +466,25 @@ class Replay:
 
     def on_finish(self, act: Act) -> None:
         """A FINISHED record for the next StartStep."""
-        self.finishes.append(ReqId(act.args["req"]))
+        self.finishes.append((ReqId(act.args["req"]), PrefixCacheEventKind.FINISHED))
+
+    def on_preempt(self, act: Act) -> None:
+        """A PREEMPTED record for the next StartStep, in order with the finishes (LIFE-2)."""
+        self.finishes.append((ReqId(act.args["req"]), PrefixCacheEventKind.PREEMPTED))
+        self.checked["preempt"] += 1
+
+    def on_resume(self, act: Act) -> None:
+        """A RESUMED record for the next StartStep, with its hit (LIFE-4)."""
+        hit = act.num("hit")
+        self.starts.append(
+            PrefixCacheRequestEvent(
+                req_id=act.args["req"],
+                kind=PrefixCacheEventKind.RESUMED,
+                hit_end=hit,
+                block_ids=(act.num("blk"),) if hit else (),
+            )
+        )
+        self.checked["resume"] += 1
 
     def on_start(self, act: Act) -> None:
         """A STARTED record for the next StartStep, with its hit."""
@@ -454,10 +514,7 @@ class Replay:
         if len(emits) > 1:
             # D11: a step emits a key for all its rows or none; the model must agree.
             raise Disagreement(f"requests of one step disagree on emitting key 1: {self.sched}")
-        events = [
-            PrefixCacheRequestEvent(req_id=r, kind=PrefixCacheEventKind.FINISHED)
-            for r in self.finishes
-        ]
+        events = [PrefixCacheRequestEvent(req_id=r, kind=kind) for r, kind in self.finishes]
         events += self.starts
         scheduled = {str(r): len(slots) for r, (slots, _) in self.sched.items()}
         step = PrefixCacheStep(events=events, scheduled_tokens=scheduled)
@@ -663,6 +720,18 @@ class Replay:
     def on_materialize(self, act: Act) -> None:
         """materialize of every request of the step's layout."""
         step = self.steps[act.num("step")]
+        if act.error == "order":
+            # DLV-5: refused, nothing changes and the step stays open for a later consume.
+            inp = ConsumeBegin(step_id=StepId(step.step), req_ids=step.req_ids, now_ns=self.now_ns)
+            err = self.expect_error("order", lambda: self.feed(inp), unchanged=True)
+            if isinstance(err, omni_cache_core.DeliveryOrderError) and (
+                err.step_id != step.step or err.req_id not in step.req_ids
+            ):
+                raise Disagreement(f"model: step {step.step} refused; core: {err}")
+            if self.core.fatal is None and not self.core.has_step(StepId(step.step)):
+                raise Disagreement(f"the refused step {step.step} is no longer open in the core")
+            step.consume = None
+            return
         step.consume = _Consume(discard=False)
         if act.error is not None:
             inp = ConsumeBegin(step_id=StepId(step.step), req_ids=step.req_ids, now_ns=self.now_ns)
@@ -740,6 +809,30 @@ class Replay:
         self.checked[f"error:{reason}"] += 1
         consume.error_seen = True
 
+    def on_deliver(self, act: Act) -> None:
+        """The positions handed to the request are the model's (DLV-2, DLV-7)."""
+        step, consume, plan = self.plan_of(act)
+        req = ReqId(act.args["req"])
+        want = (act.num("start"), act.num("end"))
+        # The model's builder asks for the whole layout, in its order.
+        at = step.req_ids.index(req)
+        got = tuple(int(x) for x in plan.positions[at])
+        if got != want:
+            raise Disagreement(
+                f"step {step.step} hands request {req} positions {want} in the model; core: {got}"
+            )
+        consume.delivered[req] = want
+        self.checked["positions"] += 1
+        if self.skipped(step, plan, req):
+            self.checked["positions:cut"] += 1
+
+    @staticmethod
+    def skipped(step: _Step, plan: ConsumePlan, req_id: ReqId) -> int:
+        """How many of the rows the step carries for the request come before its delivery."""
+        if plan.skip is None:
+            return 0
+        return int(plan.skip[step.req_ids.index(req_id)])
+
     def on_own(self, act: Act) -> None:
         """The step's page still holds the step's own rows (PAGE-3)."""
         _, _, plan = self.plan_of(act)
@@ -760,7 +853,18 @@ class Replay:
             raise Disagreement(f"model: step {step.step} consumed; core raised {consume.error!r}")
         elif not consume.discard:
             _, _, plan = self.plan_of(act)
-            planned = {(r.key, int(s)) for r in plan.reads for s in r.slots.tolist()}
+            # DLV-2: the rows the step carries below a request's delivery are not handed out
+            # again, so the model reads only the hit rows from there on.
+            planned = {
+                (r.key, int(s))
+                for r in plan.reads
+                for s in r.slots[self.skipped(step, plan, r.req_id) :].tolist()
+            }
+            if self.delivers and set(consume.delivered) != set(step.req_ids):
+                raise Disagreement(
+                    f"model delivered to {sorted(consume.delivered)}; the step carries "
+                    f"{sorted(step.req_ids)}"
+                )
             if planned != consume.reads_seen:
                 raise Disagreement(
                     f"model read {sorted(consume.reads_seen)}; core planned {sorted(planned)}"
