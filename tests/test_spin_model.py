@@ -1,7 +1,8 @@
 """The SPIN model in spec/: its checks pass, and its traces use the documented vocabulary.
 
 `spec/run_checks.sh` runs the exhaustive safety search, the two liveness claims, the
-reachability probes and every known-bad variant; the tests here run it and read its verdict.
+reachability probes (each without preemption and with it, at smaller bounds) and every known-bad
+variant; the tests here run it and read its verdict.
 The trace tests run random simulations and check every line against the "Trace vocabulary"
 table of `spec/MODEL.md`, so the table is the single description of the trace format.
 """
@@ -41,7 +42,7 @@ WORD_VALUES = {"reason": {"hit4", "hit6", "failed"}}
 #: Actions every batch of simulations below must show, so the vocabulary check is not vacuous.
 COMMON_ACTIONS = {
     "finish", "start", "sched", "new_step", "barrier", "budget", "save", "materialize",
-    "read", "own", "consumed", "copy", "pool_write", "shutdown",
+    "read", "own", "consumed", "copy", "pool_write", "shutdown", "preempt", "resume", "deliver",
 }  # fmt: skip
 
 
@@ -176,5 +177,8 @@ def test_run_checks_passes() -> None:
     lines = proc.stdout.splitlines()
     assert lines and all(line.startswith("PASS ") for line in lines), report
     names = {line.split()[1] for line in lines}
-    assert {"safety", "live_pages_released", "live_writes_end", "reach"} <= names, report
-    assert sum(name.startswith("bug_") for name in names) >= 7, report
+    assert {
+        "safety", "safety_resume", "live_pages_released", "live_writes_end",
+        "live_resume_pages_released", "live_resume_writes_end", "reach", "reach_resume",
+    } <= names, report  # fmt: skip
+    assert sum(name.startswith("bug_") for name in names) >= 10, report
