@@ -1109,14 +1109,16 @@ class CacheCore:
         lo: npt.NDArray[np.int64],
         hi: npt.NDArray[np.int64],
     ) -> None:
-        """DLV-5: refuse to hand a request rows while an earlier step still owes it rows.
+        """DLV-5: refuse to move a request's cursor while an earlier step still owes it rows.
 
         An earlier unconsumed step that carries positions at or above a request's cursor would
-        hand them out after this step's, out of position order, or (after a resume) have them
-        passed over; so this step waits for it. A request this step hands nothing new is never
-        refused, and neither is a discard (it hands out nothing).
+        hand them out after this step's, out of position order, or find them passed over: this
+        step would move the cursor past them (handing out rows, or passing over positions as
+        DLV-4 does, even from a step with no rows of the request). So this step waits for it. A
+        step whose positions for a request all lie below its cursor is never refused for it, and
+        a discard is never refused at all (it moves no cursor).
         """
-        gives = np.maximum(hi, cursor) > np.maximum(lo, cursor)
+        gives = hi > cursor  # the cursor would move to hi
         if not any_true(gives):
             return
         for other in self._steps.values():  # in step id order

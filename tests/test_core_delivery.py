@@ -396,6 +396,26 @@ def test_dlv_5_an_earlier_step_that_owes_nothing_does_not_refuse(make_core: Make
     assert _positions(consume(core, empty, ["a", "b"])) == [(BLOCK + 1, BLOCK + 1), (0, BLOCK)]
 
 
+def test_dlv_5_a_step_without_rows_does_not_pass_over_what_an_earlier_step_owes(
+    make_core: MakeCore,
+) -> None:
+    """A step where the request has no rows would still move its cursor past positions an
+    earlier open step owes: refused until that step is consumed (DLV-5, DLV-4)."""
+    core = make_core()
+    start(core, started("a"))
+    owing = save(core, [("a", blocks(0))]).step_id
+    idle = save(core, [("a", [])]).step_id
+    error = raises_unchanged(
+        core,
+        DeliveryOrderError,
+        core.consume_begin,
+        ConsumeBegin(step_id=idle, req_ids=(ReqId("a"),), now_ns=0),
+    )
+    assert (error.earlier_step_id, error.gap) == (owing, (0, BLOCK))
+    assert _positions(consume(core, owing, ["a"])) == [(0, BLOCK)]
+    assert _positions(consume(core, idle, ["a"])) == [(BLOCK, BLOCK)]
+
+
 def test_dlv_5_a_discard_of_a_later_step_is_never_refused(make_core: MakeCore) -> None:
     """Discarding delivers nothing, so no order applies to it (DLV-4, DLV-5)."""
     core = make_core()
