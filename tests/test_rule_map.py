@@ -29,10 +29,7 @@ PLACEHOLDER = "(adapter tests)"
 UNTESTED_MARK = "(no test yet)"
 #: Rules no test checks yet (spec/RULES.md, "Known gaps", says what each one needs). A rule that
 #: gets a test loses its mark there and its entry here.
-UNTESTED: frozenset[str] = frozenset(
-    {"LIFE-1", "LIFE-2", "LIFE-3", "LIFE-4"}
-    | {"DLV-1", "DLV-2", "DLV-3", "DLV-4", "DLV-5", "DLV-6", "DLV-7"}
-)
+UNTESTED: frozenset[str] = frozenset()
 OWNERS = {"core", "omni_cache_cuda", "both"}
 PACKAGES = {"core": "omni_cache_core", "adapter": "omni_cache_cuda"}
 #: A code reference in an "enforced in" cell: ``_module.Name`` or ``_module.Class.method``.
@@ -41,6 +38,7 @@ CODE_REF = re.compile(r"`(_\w+(?:\.\w+)+)`")
 ADAPTER_TEST_FILES = (
     "tests/test_adapter_scenarios.py",
     "tests/test_adapter_concurrency.py",
+    "tests/test_adapter_resume.py",
     "tests/test_adapter_stateful.py",
     "tests/gpu/test_gpu_conformance.py",
     "tests/test_readme_example.py",
