@@ -1,0 +1,736 @@
+"""vLLM glue: one object a model runner calls at its three prefix-cache sites.
+
+`VllmPrefixCache` wraps an `OmniPrefixCacheManager` and speaks vLLM's language: it reads each
+step's `SchedulerOutput`, turns it into the step's request records (`PrefixCacheStep`), keeps
+every live request's block ids and computed-token count, and builds the save's write layout in
+the runner's own row order, so the runner never computes a KV slot.
+
+Checked against vLLM 0.33.0 (`VLLM_VERSION_CHECKED`), its v1 `Scheduler` and `AsyncScheduler`
+(the tests in ``tests/vllm`` drive both). Nothing here imports vLLM at module scope: the
+scheduler output is read duck-typed, so any object with the fields below works.
+
+What a step's scheduler output carries (vLLM 0.33, as observed)
+----------------------------------------------------------------
+``SchedulerOutput``:
+
+- ``num_scheduled_tokens: dict[str, int]``: tokens per scheduled request (a fresh dict per step).
+- ``finished_req_ids: set[str]``: requests that finished *or were aborted* since the previous
+  schedule; aborted requests that never ran are listed too. Both become FINISHED here (the
+  cache treats ABORTED exactly like FINISHED); ids this object never saw are skipped.
+- ``preempted_req_ids: set[str] | None``: requests preempted by this schedule (filled under both
+  model runners, whatever its comment says). Each becomes PREEMPTED.
+- ``scheduled_new_reqs: list[NewRequestData]`` and ``scheduled_cached_reqs: CachedRequestData``.
+- ``scheduled_spec_decode_tokens`` (must be empty: no speculative decoding) and
+  ``kv_cache_block_copies`` (copy-on-write KV block copies of partial-block hits; must be empty,
+  as it is with one full-attention group whose hash block size is its block size).
+
+``NewRequestData``: ``req_id``, ``block_ids: tuple[list[int], ...]`` (one list per KV cache
+group), ``num_computed_tokens`` (the prefix hit, block aligned), ``prompt_token_ids`` and, for the
+v2 runner, ``prefill_token_ids`` (the request's *live* token list, prompt plus outputs).
+
+``CachedRequestData``: parallel lists ``req_ids``, ``new_block_ids`` (per request a tuple of
+per-group lists, or None when no block was added), ``num_computed_tokens`` (where this step's
+tokens start), plus ``resumed_req_ids: set[str]``.
+
+Where a resumed request shows up depends on the model runner:
+
+- v2 runner (vLLM 0.33's default): in ``scheduled_new_reqs``, under its old id, with its new
+  block list and its new hit in ``num_computed_tokens`` (``prefill_token_ids`` holds prompt and
+  outputs). This object knows the id is preempted and records RESUMED.
+- v1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``): in ``scheduled_cached_reqs``, listed in
+  ``resumed_req_ids``; its ``new_block_ids`` *replace* the block list instead of extending it.
+
+``num_computed_tokens`` is the scheduler's count at schedule time: under async scheduling it
+already includes the steps still in flight, which is where the runner places this step's tokens.
+
+Async scheduling
+----------------
+vLLM 0.33 turns async scheduling on by default: the engine core keeps two batches in flight
+(schedule step k+1, run it, then process step k's output) and the runner feeds its own sampled
+token into the next step before the scheduler has seen it. Two consequences:
+
+- A preemption usually happens with a step of the request in flight. That step was begun and
+  saved before the PREEMPTED record; its rows are delivered like any other (the cache keeps a
+  preempted request live for delivery). Its sampled token still reaches the request, which may
+  then finish while preempted: PREEMPTED then FINISHED, never RESUMED.
+- Rows computed past a stop token are **delivered**. A stop token cannot be foreseen, so the step
+  scheduled while the stop is being sampled computes one more position: the stop token's own
+  (vLLM keeps the stop token in the request's tokens). FINISHED arrives two steps after the step
+  that sampled the stop, so that step's layout names the request like any other, its rows are
+  written to the pool and its materialize returns them. They are exactly what a full recompute
+  of the request's final token list gives at its last position, so nothing wrong is served; a
+  consumer that wants only the positions a synchronous engine computes keeps positions below
+  ``len(final tokens) - 1`` (`StageCacheOutputs.positions` says which positions came). Dropping
+  them instead would need the stop to be known at save or materialize time, and it is not: the
+  scheduler decides it while processing the output, after the runner has saved the step.
+
+Request id reuse
+----------------
+The cache accepts an ended request id STARTED again (a new admission). vLLM's scheduler does
+not survive it while a step naming the old request is in flight: processing that step's output
+would then find the new request under the id and corrupt it (vLLM's front end suffixes ids to
+avoid this). This object refuses what it can see of it: a request STARTED while one of the
+previous ``max_concurrent_batches - 1`` steps (the steps the engine still has in flight) named
+the same id, or a new request under an id that is still running, raises `RequestIdReuseError`
+before anything changes. A reuse whose new request was added while the old one's last step was
+in flight, but scheduled later, corrupts the scheduler before this object sees anything.
+
+Which worker builds a cache
+---------------------------
+`should_build_prefix_cache`: only the worker whose `ModelRunnerOutput` the executor returns (the
+last pipeline stage, tensor-parallel rank 0, prefill-context-parallel rank 0). The host mirror
+costs ``num_blocks * block_size * row_bytes`` per cached key, pinned on CUDA, plus staging pages
+of ``staging_depth * staging_capacity_tokens * row_bytes`` per immediate key. For hidden states
+of width 4096 in bf16 (8 KiB a row), a KV cache of 16384 blocks of 16 tokens (262,144 slots) and
+the default 4 pages of 8192 tokens, that is 2 GiB + 256 MiB = 2.25 GiB per cache. Every TP rank
+computes the same hidden states and holds the same number of KV blocks, so a TP=8 worker group
+that built one cache per rank would pin 18 GiB of host memory for rows only one rank returns;
+building it on the output rank alone pins 2.25 GiB. Other ranks skip all three call sites.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from omni_cache_core import (
+    BadInputError,
+    ConfigError,
+    ModelCachePolicy,
+    PrefixCacheConfig,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    StepId,
+)
+from omni_cache_cuda._layout import PrefixCacheWriteLayout
+from omni_cache_cuda._manager import OmniPrefixCacheManager
+from omni_cache_cuda._outputs import StageCacheOutputs
+from omni_cache_cuda._stats import CacheStats
+
+__all__ = [
+    "VLLM_VERSION_CHECKED",
+    "RequestIdReuseError",
+    "VllmPrefixCache",
+    "should_build_prefix_cache",
+]
+
+#: The vLLM release whose scheduler outputs this module was checked against.
+VLLM_VERSION_CHECKED = "0.33.0"
+
+_STARTED = PrefixCacheEventKind.STARTED
+_RESUMED = PrefixCacheEventKind.RESUMED
+_FINISHED = PrefixCacheEventKind.FINISHED
+_PREEMPTED = PrefixCacheEventKind.PREEMPTED
+
+# KV cache spec classes (by name, so no vLLM import is needed) whose groups hold every token's
+# KV in one slot per token for the request's whole life: the slots a hit reads.
+_FULL_ATTENTION_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+
+
+class RequestIdReuseError(BadInputError):
+    """A request id was started again while the engine may still process a step naming it.
+
+    Raised by `VllmPrefixCache.step_begin` before anything changes: the cache and this object's
+    tracking are as they were. vLLM's own state is already wrong at that point; the engine must
+    not go on.
+
+    Attributes:
+        req_id: The reused request id.
+        detail: What was seen, in words.
+    """
+
+    _FIELDS = ("req_id", "detail")
+
+    def __init__(self, *, req_id: str, detail: str) -> None:
+        self.req_id = req_id
+        self.detail = detail
+        super().__init__(
+            what=f"request id {req_id!r}",
+            expected="a request id not in use by a step still in flight (give every admission "
+            "a fresh id)",
+            got=detail,
+        )
+
+
+def _is_full_attention(spec: object) -> bool:
+    """Tell whether a KV cache spec keeps one slot per token (full attention), by class name."""
+    name = type(spec).__name__
+    if name == "UniformTypeKVCacheSpecs":
+        specs = getattr(spec, "kv_cache_specs", None) or {}
+        return bool(specs) and all(_is_full_attention(s) for s in specs.values())
+    if name not in _FULL_ATTENTION_SPECS:
+        return False
+    # Whisper-style block pooling keeps fewer states than tokens.
+    return getattr(spec, "tokens_per_state", 1) == 1
+
+
+def _spec_block_size(spec: object) -> Any:
+    block_size = getattr(spec, "block_size", None)
+    if block_size is None and type(spec).__name__ == "UniformTypeKVCacheSpecs":
+        specs = getattr(spec, "kv_cache_specs", None) or {}
+        block_size = getattr(next(iter(specs.values()), None), "block_size", None)
+    return block_size
+
+
+def should_build_prefix_cache(
+    *,
+    pp_rank: int | None = None,
+    pp_size: int | None = None,
+    tp_rank: int | None = None,
+    pcp_rank: int | None = None,
+) -> bool:
+    """Tell whether this worker should build a prefix cache at all.
+
+    Only the worker whose `ModelRunnerOutput` vLLM's executor returns needs one: the last
+    pipeline stage (earlier stages produce no final hidden states) and, within it, tensor- and
+    prefill-context-parallel rank 0 (vLLM's ``MultiprocExecutor`` replies from rank
+    ``world_size - tp_size * pcp_size``). The other ranks compute the same rows and would pin the
+    same host memory for nothing: see the module docstring for the arithmetic.
+
+    Args:
+        pp_rank, pp_size: This worker's pipeline stage and the number of stages.
+        tp_rank: This worker's rank in its tensor-parallel group.
+        pcp_rank: Its rank in its prefill-context-parallel group (0 when not used).
+
+        Arguments left out are read from vLLM's initialized process groups
+        (``vllm.distributed.parallel_state``), which must then exist.
+
+    Returns:
+        True on the one worker that should build the cache and call it.
+    """
+    if pp_rank is None or pp_size is None or tp_rank is None or pcp_rank is None:
+        from vllm.distributed import parallel_state as ps  # vLLM is optional
+
+        if pp_rank is None or pp_size is None:
+            pp = ps.get_pp_group()
+            pp_rank = pp.rank_in_group if pp_rank is None else pp_rank
+            pp_size = pp.world_size if pp_size is None else pp_size
+        if tp_rank is None:
+            tp_rank = ps.get_tp_group().rank_in_group
+        if pcp_rank is None:
+            try:
+                pcp_rank = ps.get_pcp_group().rank_in_group
+            except (AttributeError, AssertionError):  # no such group in this vLLM
+                pcp_rank = 0
+    return pp_rank == pp_size - 1 and tp_rank == 0 and pcp_rank == 0
+
+
+class VllmPrefixCache:
+    """The prefix cache as a vLLM model runner uses it; a context manager.
+
+    Per step, on the runner thread: `step_begin` (before the runner updates its own request
+    states), the forward, `save`; then exactly one of `materialize` or `discard_step` per
+    step id, on any thread (an output builder may run a step late).
+
+    Args:
+        manager: The wrapped cache; its config's block size must be ``block_size``.
+        block_size: Tokens per KV block of group ``kv_group``.
+        kv_group: Which KV cache group's block ids to read (``block_ids[kv_group]``); it must be
+            a full-attention group. `from_vllm_config` checks that.
+        max_concurrent_batches: How many scheduled steps the engine keeps in flight at once
+            (vLLM's ``VllmConfig.max_concurrent_batches``: 2 under async scheduling, 1 without).
+            A request started again while one of the previous ``max_concurrent_batches - 1``
+            steps named its id raises `RequestIdReuseError`.
+
+    Raises:
+        ConfigError: ``block_size`` does not match the manager's, or a count is not an int.
+    """
+
+    _COUNTERS: ClassVar[tuple[str, ...]] = (
+        "steps",
+        "started",
+        "started_with_hit",
+        "resumed",
+        "resumed_with_hit",
+        "preempted",
+        "finished",
+    )
+
+    def __init__(
+        self,
+        manager: OmniPrefixCacheManager,
+        *,
+        block_size: int,
+        kv_group: int = 0,
+        max_concurrent_batches: int = 1,
+    ) -> None:
+        if not isinstance(manager, OmniPrefixCacheManager):
+            raise BadInputError(
+                what="manager", expected="an OmniPrefixCacheManager", got=type(manager).__name__
+            )
+        for field, value, low in (
+            ("block_size", block_size, 1),
+            ("kv_group", kv_group, 0),
+            ("max_concurrent_batches", max_concurrent_batches, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(field=field, value=value, expected=f"an int >= {low}")
+        if block_size != manager.config.block_size:
+            raise ConfigError(
+                field="block_size",
+                value=block_size,
+                expected=f"the manager's block size {manager.config.block_size}",
+            )
+        self.manager = manager
+        self.block_size = block_size
+        self.kv_group = kv_group
+        self.max_concurrent_batches = max_concurrent_batches
+        # Running requests: a private copy of each one's block ids (group kv_group) and where
+        # its tokens of the current step start.
+        self._blocks: dict[str, list[int]] = {}
+        self._computed: dict[str, int] = {}
+        # Preempted requests: live for delivery, no blocks.
+        self._preempted: set[str] = set()
+        # The ids scheduled by the previous steps the engine may still have in flight.
+        self._in_flight: collections.deque[Collection[str]] = collections.deque(
+            maxlen=max_concurrent_batches - 1
+        )
+        # The current step's scheduled counts, from step_begin until its save.
+        self._step: Mapping[str, int] | None = None
+        self._counts = dict.fromkeys(self._COUNTERS, 0)
+
+    # -----------------------------------------------------------------------------------------
+    # Construction from vLLM's configs.
+
+    @classmethod
+    def from_vllm_config(
+        cls,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        *,
+        policy: ModelCachePolicy | None = None,
+        device: str | torch.device | None = None,
+        threaded: bool | None = None,
+        kv_group: int | None = None,
+    ) -> VllmPrefixCache:
+        """Build the cache a vLLM worker needs, refusing what it cannot serve correctly.
+
+        Blocks and block size come from the KV cache config, the staging page size from the
+        scheduler config (`PrefixCacheConfig.from_vllm_config`), the number of steps in flight
+        from ``vllm_config.max_concurrent_batches``.
+
+        Args:
+            vllm_config: vLLM's ``VllmConfig`` (read duck-typed).
+            kv_cache_config: The worker's ``KVCacheConfig``.
+            policy, device, threaded: As for `OmniPrefixCacheManager`.
+            kv_group: The full-attention KV cache group to follow. None: the model must have
+                exactly one KV cache group, of full attention.
+
+        Raises:
+            ConfigError: Naming the field: prefix caching is off (there would be no hit to
+                serve); speculative decoding is on (draft tokens are rejected after the rows
+                are saved); a KV connector is configured (tokens it loads have no rows here);
+                the KV layout is not one full-attention group and ``kv_group`` names none; the
+                group's block size differs from the cache config's, or prefix hits land at a
+                finer granularity than a block (partial-block hits). Nothing is built.
+        """
+        cache_config = getattr(vllm_config, "cache_config", None)
+        if not getattr(cache_config, "enable_prefix_caching", False):
+            raise ConfigError(
+                field="cache_config.enable_prefix_caching",
+                value=getattr(cache_config, "enable_prefix_caching", None),
+                expected="True: without prefix caching there is no hit to serve",
+            )
+        speculative = getattr(vllm_config, "speculative_config", None)
+        if speculative is not None:
+            raise ConfigError(
+                field="speculative_config",
+                value=type(speculative).__name__,
+                expected="None: speculative decoding is not supported (rejected draft tokens "
+                "would leave saved rows no token owns)",
+            )
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        if transfer is not None:
+            raise ConfigError(
+                field="kv_transfer_config",
+                value=type(transfer).__name__,
+                expected="None: tokens a KV connector loads were never computed here, so a hit "
+                "on them has no rows",
+            )
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+        kinds = [type(getattr(g, "kv_cache_spec", None)).__name__ for g in groups]
+        if kv_group is None:
+            if len(groups) != 1 or not _is_full_attention(groups[0].kv_cache_spec):
+                raise ConfigError(
+                    field="kv_cache_config.kv_cache_groups",
+                    value=kinds,
+                    expected="exactly one full-attention KV cache group, or kv_group naming "
+                    "a full-attention group",
+                )
+            kv_group = 0
+        elif (
+            not isinstance(kv_group, int)
+            or isinstance(kv_group, bool)
+            or not 0 <= kv_group < len(groups)
+            or not _is_full_attention(groups[kv_group].kv_cache_spec)
+        ):
+            raise ConfigError(
+                field="kv_group",
+                value=kv_group,
+                expected=f"the index of a full-attention group among {kinds}",
+            )
+        spec = groups[kv_group].kv_cache_spec
+        block_size = _spec_block_size(spec)
+        configured = getattr(cache_config, "block_size", None)
+        if configured is not None and block_size != configured:
+            raise ConfigError(
+                field="kv_cache_spec.block_size",
+                value=block_size,
+                expected=f"the cache config's block size {configured}",
+            )
+        for source, name in (
+            (kv_cache_config, "hash_block_size"),
+            (cache_config, "hash_block_size"),
+            (kv_cache_config, "cache_hit_alignment_tokens"),
+        ):
+            granularity = getattr(source, name, None)
+            if isinstance(granularity, int) and granularity and granularity % block_size:
+                raise ConfigError(
+                    field=name,
+                    value=granularity,
+                    expected=f"a multiple of the block size {block_size}: prefix hits must "
+                    "end on a block boundary",
+                )
+        config = PrefixCacheConfig.from_vllm_config(
+            num_blocks=getattr(kv_cache_config, "num_blocks", None),
+            block_size=block_size,
+            scheduler_config=getattr(vllm_config, "scheduler_config", None),
+            model_config=getattr(vllm_config, "model_config", None),
+        )
+        depth = _max_concurrent_batches(vllm_config)
+        manager = OmniPrefixCacheManager(config, policy=policy, device=device, threaded=threaded)
+        try:
+            return cls(
+                manager, block_size=block_size, kv_group=kv_group, max_concurrent_batches=depth
+            )
+        except BaseException:
+            manager.shutdown()
+            raise
+
+    # -----------------------------------------------------------------------------------------
+    # Context manager and pass-through.
+
+    def __enter__(self) -> VllmPrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Shut the wrapped manager down (idempotent)."""
+        self.manager.shutdown()
+
+    def stats(self) -> CacheStats:
+        """The wrapped manager's `CacheStats`."""
+        return self.manager.stats()
+
+    def counts(self) -> dict[str, int]:
+        """Records this object has fed in so far: steps, started (with a hit), resumed (with a
+        hit), preempted, finished. A fresh dict."""
+        return dict(self._counts)
+
+    def live_requests(self) -> dict[str, str]:
+        """Request id -> ``"running"`` or ``"preempted"``, as tracked from the scheduler."""
+        live = dict.fromkeys(self._blocks, "running")
+        live.update(dict.fromkeys(self._preempted, "preempted"))
+        return live
+
+    def materialize(self, step_id: StepId, req_ids: Sequence[str]) -> StageCacheOutputs:
+        """`OmniPrefixCacheManager.materialize`: the merged outputs of a saved step (any
+        thread). ``req_ids`` is the save's row order or any subset of it, never the runner's
+        live batch (it may have moved on)."""
+        return self.manager.materialize(step_id, req_ids)
+
+    def discard_step(self, step_id: StepId) -> None:
+        """`OmniPrefixCacheManager.discard_step`: consume a step id without reading it."""
+        self.manager.discard_step(step_id)
+
+    # -----------------------------------------------------------------------------------------
+    # Call site 1: the step's records.
+
+    def step_begin(self, scheduler_output: Any) -> None:
+        """Feed a step's scheduler output in; call it before the runner updates its states.
+
+        Translates finished and aborted requests into FINISHED, preempted ones into PREEMPTED,
+        new requests into STARTED (with their prefix hit) and resumed ones into RESUMED (with
+        their new hit and block list), under either model runner's convention (module
+        docstring), and records each running request's block ids and computed-token count for
+        the save. Empty steps (no token scheduled) are fed in too: they may carry records.
+
+        Raises:
+            RequestIdReuseError: A request id is started again while a step naming it may be in
+                flight, or a new request arrives under an id that is still running.
+            BadInputError: The output does not fit what was seen before (a running request
+                this object never saw started; a KV group index out of range), or asks for
+                what is not supported (speculative tokens, copy-on-write KV block copies).
+            LifecycleError: The cache refused a record (for example RESUMED of a request
+                that was not preempted).
+            ShutDownError, WriteFailedError: As for `OmniPrefixCacheManager.new_step_starts`.
+
+            On any error nothing changed: the cache and this object's tracking are as before.
+        """
+        so = scheduler_output
+        sched: Mapping[str, int] = so.num_scheduled_tokens
+        if getattr(so, "scheduled_spec_decode_tokens", None):
+            raise BadInputError(
+                what="scheduled_spec_decode_tokens",
+                expected="none (speculative decoding is not supported)",
+                got=f"draft tokens for {len(so.scheduled_spec_decode_tokens)} requests",
+            )
+        if getattr(so, "kv_cache_block_copies", None):
+            raise BadInputError(
+                what="kv_cache_block_copies",
+                expected="none (a copied KV block would carry rows the cache does not move)",
+                got=f"{len(so.kv_cache_block_copies)} block copies",
+            )
+        blocks = self._blocks
+        preempted_now = self._preempted
+        events: list[PrefixCacheRequestEvent] = []
+        ended: list[str] = []
+        preempting: list[str] = []
+        # Admissions and resumes: req_id -> (block list copy, computed tokens).
+        joining: dict[str, tuple[list[int], int]] = {}
+        started_hits = 0
+        resumed_hits = 0
+
+        finished = so.finished_req_ids
+        if finished:
+            for req_id in finished:
+                if req_id in blocks or req_id in preempted_now:
+                    events.append(PrefixCacheRequestEvent(req_id=req_id, kind=_FINISHED))
+                    ended.append(req_id)
+        preempted = getattr(so, "preempted_req_ids", None)
+        if preempted:
+            for req_id in preempted:
+                # An id this object never saw running goes on to the cache, which refuses it.
+                events.append(PrefixCacheRequestEvent(req_id=req_id, kind=_PREEMPTED))
+                preempting.append(req_id)
+        gone = set(ended)
+        now_preempted = (preempted_now - gone).union(preempting) if preempting else None
+
+        for new in so.scheduled_new_reqs:
+            req_id = new.req_id
+            block_ids = list(self._group_blocks(req_id, new.block_ids))
+            hit = new.num_computed_tokens
+            scheduled = sched.get(req_id, 0)
+            is_preempted = (
+                req_id in now_preempted
+                if now_preempted is not None
+                else req_id in preempted_now and req_id not in gone
+            )
+            if is_preempted:  # the v2 runner's resume
+                kind = _RESUMED
+                resumed_hits += hit > 0
+            else:
+                if req_id in blocks and req_id not in gone:
+                    raise RequestIdReuseError(
+                        req_id=req_id, detail="a new request under an id that is still running"
+                    )
+                self._refuse_in_flight_reuse(req_id)
+                kind = _STARTED
+                started_hits += hit > 0
+            if req_id in joining:
+                raise BadInputError(
+                    what=f"request {req_id!r}",
+                    expected="at most one new or resumed entry per step",
+                    got="two",
+                )
+            events.append(
+                PrefixCacheRequestEvent(
+                    req_id=req_id,
+                    kind=kind,
+                    hit_end=hit,
+                    block_ids=block_ids,
+                    scheduled_tokens=scheduled,
+                )
+            )
+            joining[req_id] = (block_ids, hit)
+
+        cached = so.scheduled_cached_reqs
+        req_ids: Sequence[str] = cached.req_ids
+        new_block_ids: Sequence[Any] = cached.new_block_ids
+        computed: Sequence[int] = cached.num_computed_tokens
+        resumed: Collection[str] = cached.resumed_req_ids or ()
+        for req_id in resumed:  # the v1 runner's resume: the block list is replaced
+            i = req_ids.index(req_id)
+            block_ids = list(self._group_blocks(req_id, new_block_ids[i] or ()))
+            hit = computed[i]
+            resumed_hits += hit > 0
+            if req_id in joining:
+                raise BadInputError(
+                    what=f"request {req_id!r}",
+                    expected="at most one new or resumed entry per step",
+                    got="two",
+                )
+            events.append(
+                PrefixCacheRequestEvent(
+                    req_id=req_id,
+                    kind=_RESUMED,
+                    hit_end=hit,
+                    block_ids=block_ids,
+                    scheduled_tokens=sched.get(req_id, 0),
+                )
+            )
+            joining[req_id] = (block_ids, hit)
+        # Every other cached request must be running here, and stay so through this step.
+        running = set(req_ids)
+        if resumed:
+            running.difference_update(resumed)
+        if not running.issubset(blocks.keys()) or (
+            (gone or preempting) and not running.isdisjoint(gone.union(preempting))
+        ):
+            stray = sorted(r for r in running if r not in blocks or r in gone or r in preempting)
+            raise BadInputError(
+                what=f"scheduled_cached_reqs {stray[:5]}",
+                expected="requests this cache saw start or resume and that are still running",
+                got="requests it does not track as running",
+            )
+        extend: list[tuple[str, Sequence[int]]] = []
+        if any(new_block_ids):
+            for i, added in enumerate(new_block_ids):
+                if added is not None and req_ids[i] not in joining:
+                    extend.append((req_ids[i], self._group_blocks(req_ids[i], added)))
+
+        step = PrefixCacheStep(events=events, scheduled_tokens=sched)
+        self.manager.new_step_starts(step)
+
+        # The cache took the records: apply them here too.
+        for req_id in ended:
+            blocks.pop(req_id, None)
+            self._computed.pop(req_id, None)
+            preempted_now.discard(req_id)
+        for req_id in preempting:
+            blocks.pop(req_id, None)
+            self._computed.pop(req_id, None)
+            preempted_now.add(req_id)
+        for req_id, (block_ids, hit) in joining.items():
+            preempted_now.discard(req_id)
+            blocks[req_id] = block_ids
+            self._computed[req_id] = hit
+        self._computed.update(zip(req_ids, computed, strict=True))
+        for req_id, added in extend:
+            blocks[req_id].extend(added)
+        if self.max_concurrent_batches > 1:
+            self._in_flight.append(frozenset(sched))
+        # Read by this step's save only (vLLM builds the dict afresh every step).
+        self._step = sched
+        counts = self._counts
+        counts["steps"] += 1
+        if events:
+            counts["finished"] += len(ended)
+            counts["preempted"] += len(preempting)
+            resumed_count = sum(e.kind is _RESUMED for e in events)
+            counts["resumed"] += resumed_count
+            counts["started"] += len(joining) - resumed_count
+            counts["resumed_with_hit"] += resumed_hits
+            counts["started_with_hit"] += started_hits
+
+    def _group_blocks(self, req_id: str, per_group: Any) -> Sequence[int]:
+        try:
+            return per_group[self.kv_group]  # type: ignore[no-any-return]
+        except (IndexError, TypeError):
+            raise BadInputError(
+                what=f"block ids of request {req_id!r}",
+                expected=f"one list per KV cache group, group {self.kv_group} included",
+                got=repr(per_group)[:80],
+            ) from None
+
+    def _refuse_in_flight_reuse(self, req_id: str) -> None:
+        for back, scheduled in enumerate(reversed(self._in_flight), start=1):
+            if req_id in scheduled:
+                raise RequestIdReuseError(
+                    req_id=req_id,
+                    detail=f"started while the step {back} before this one, which scheduled "
+                    f"the previous request under that id, may still be in flight "
+                    f"({self.max_concurrent_batches} batches in flight)",
+                )
+
+    # -----------------------------------------------------------------------------------------
+    # Call site 2: the save.
+
+    def save(
+        self,
+        hidden: torch.Tensor | None,
+        mm: Mapping[str, Any] | None,
+        *,
+        req_ids: Sequence[str],
+        num_tokens_unpadded: int,
+        num_tokens_padded: int | None = None,
+    ) -> StepId:
+        """Save the step's outputs after its forward; return the step id to consume once.
+
+        Args:
+            hidden: The step's last hidden states, one row per scheduled token in the runner's
+                row order (padding rows after them are ignored).
+            mm: Per-token multimodal outputs and other values, as for
+                `OmniPrefixCacheManager.save_outputs`.
+            req_ids: The runner's row order: every request scheduled in this step exactly once
+                (vLLM: ``input_batch.req_ids`` for the step). Rows of each request are
+                contiguous and in position order.
+            num_tokens_unpadded: Rows that are real tokens (the step's scheduled tokens).
+            num_tokens_padded: Rows the tensors have (CUDA graph padding), or None.
+
+        Raises:
+            BadInputError: No `step_begin` before this save, or ``req_ids`` is not the step's
+                scheduled requests; or as for `OmniPrefixCacheManager.save_outputs`. The cache
+                is unchanged.
+            Others as for `OmniPrefixCacheManager.save_outputs`.
+        """
+        sched = self._step
+        if sched is None:
+            raise BadInputError(
+                what="save", expected="a step_begin for this step first", got="none"
+            )
+        if (
+            isinstance(req_ids, str)
+            or len(req_ids) != len(sched)
+            or len(distinct := set(req_ids)) != len(sched)
+            or not sched.keys() >= distinct
+        ):
+            raise BadInputError(
+                what="save req_ids",
+                expected=f"the {len(sched)} requests scheduled in this step, each once",
+                got=f"{len(req_ids)} ids" if not isinstance(req_ids, str) else "a str",
+            )
+        layout = PrefixCacheWriteLayout.from_block_tables(
+            req_ids, sched, self._computed, self._blocks, self.block_size
+        )
+        step_id = self.manager.save_outputs(
+            hidden,
+            mm,
+            num_tokens_unpadded=num_tokens_unpadded,
+            num_tokens_padded=num_tokens_padded,
+            write_layout=layout,
+        )
+        self._step = None
+        return step_id
+
+    def layout(self, req_ids: Sequence[str]) -> PrefixCacheWriteLayout:
+        """The write layout `save` would use for the current step (for inspection and tests)."""
+        sched = self._step
+        if sched is None:
+            raise BadInputError(
+                what="layout", expected="a step_begin for this step first", got="none"
+            )
+        return PrefixCacheWriteLayout.from_block_tables(
+            req_ids, sched, self._computed, self._blocks, self.block_size
+        )
+
+
+def _max_concurrent_batches(vllm_config: Any) -> int:
+    """Steps vLLM's engine core keeps in flight: its batch queue depth."""
+    try:
+        depth = vllm_config.max_concurrent_batches
+    except Exception:  # an older or stand-in config without the property
+        depth = None
+    if isinstance(depth, int) and not isinstance(depth, bool) and depth >= 1:
+        return depth
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    pp = getattr(parallel, "pipeline_parallel_size", 1)
+    pp = pp if isinstance(pp, int) and pp >= 1 else 1
+    return max(pp, 2 if getattr(scheduler_config, "async_scheduling", False) else 1)
