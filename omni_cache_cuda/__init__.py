@@ -41,7 +41,7 @@ from omni_cache_core import (
 from omni_cache_cuda._layout import PrefixCacheWrite, PrefixCacheWriteLayout
 from omni_cache_cuda._manager import OmniPrefixCacheManager
 from omni_cache_cuda._outputs import StageCacheOutputs
-from omni_cache_cuda._stats import CacheStats
+from omni_cache_cuda._stats import CacheStats, HostBytes
 
 __all__ = [
     "HIDDEN_KEY",
@@ -51,6 +51,7 @@ __all__ = [
     "DeliveryOrderError",
     "HitUnreadableError",
     "HostAllocationError",
+    "HostBytes",
     "IllegalTransitionError",
     "InvariantError",
     "LifecycleError",

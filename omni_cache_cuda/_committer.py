@@ -17,6 +17,7 @@ import collections
 import contextlib
 import enum
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 
 from omni_cache_core import TensorName, Tid
 from omni_cache_core._values import CopyLanded, CopyStarted, Report, WriteFailed, WriteLanded
+from omni_cache_cuda._faults import Faults
 from omni_cache_cuda._log import log
 from omni_cache_cuda._nvtx import RangeFn, no_ranges
 from omni_cache_cuda._storage import HostPool, StagingPages
@@ -159,6 +161,8 @@ class Committer:
         copy_chunk_bytes: Largest piece of one deferred copy (BUDGET-3).
         cache_id: The manager's number in log lines.
         ranges: Opens the NVTX ranges of the copy, the pool write and the waits.
+        faults: The fault points' hooks (tests): ``host_ready``, ``deferred_piece`` and
+            ``pool_write`` run here; what a hook raises fails that job (FAIL-1).
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class Committer:
         copy_chunk_bytes: int,
         cache_id: int = 0,
         ranges: RangeFn = no_ranges,
+        faults: Faults | None = None,
     ) -> None:
         self.pool = pool
         self.pages = pages
@@ -184,8 +189,7 @@ class Committer:
         self.cache_id = cache_id
         self.ranges = ranges
         self._failure_logged = False
-        #: Test hook: called with a job before its pool write; an exception fails the job.
-        self.fault: Callable[[WriteJob], None] | None = None
+        self.faults = faults if faults is not None else Faults()
         self.rows_written: collections.Counter[str] = collections.Counter()
         self.bytes_to_host = 0
         self.bytes_to_pool = 0
@@ -198,6 +202,15 @@ class Committer:
                 target=self._loop, name="omni-prefix-cache-committer", daemon=True
             )
             self._thread.start()
+
+    @property
+    def fault(self) -> Callable[[WriteJob], None] | None:
+        """Test hook: called with a job before its pool write; an exception fails the job."""
+        return self.faults.hooks.get("pool_write")
+
+    @fault.setter
+    def fault(self, hook: Callable[[WriteJob], None] | None) -> None:
+        self.faults.set("pool_write", hook)
 
     # -----------------------------------------------------------------------------------------
     # Called by the manager (never under the committer's own locks).
@@ -283,14 +296,15 @@ class Committer:
             if job.deferred:
                 with self.ranges("omni_cache.deferred_copy"):
                     self._copy_deferred(job)
-            elif job.d2h_event is not None:
-                with self.ranges("omni_cache.wait.step_copy"):
-                    job.d2h_event.synchronize()  # the whole-step copy into the page (PAGE-6)
-                job.hold = []
+            else:
+                self.faults.fire("host_ready", job)
+                if job.d2h_event is not None:
+                    with self.ranges("omni_cache.wait.step_copy"):
+                        job.d2h_event.synchronize()  # the whole-step copy into the page (PAGE-6)
+                    job.hold = []
             self.reports.append(CopyLanded(tid=job.tid))
             self.signal.bump()
-            if self.fault is not None:
-                self.fault(job)
+            self.faults.fire("pool_write", job)
             with self.ranges("omni_cache.pool_write"):
                 self._write_pool(job)
             self.reports.append(WriteLanded(tid=job.tid))
@@ -338,35 +352,61 @@ class Committer:
         """Copy a deferred job's device clones to host rows, in pieces (BUDGET-3)."""
         stream = self.copy_stream
         if stream is None:
-            # CPU: the clones already are host rows.
+            # CPU: the clones already are host rows. The pieces' fault point still runs, over
+            # the pieces a copy would take.
+            if "deferred_piece" in self.faults.hooks:
+                for key in job.keys:
+                    rows = [c.device[key] for c in job.chunks if c.device and key in c.device]
+                    if rows:
+                        row_nbytes = math.prod(rows[0].shape[1:]) * rows[0].element_size()
+                        count = sum(len(r) for r in rows)
+                        for start, stop in piece_ranges(count, row_nbytes, self.copy_chunk_bytes):
+                            self.faults.fire("deferred_piece", (job, key, start, stop))
+            self.faults.fire("host_ready", job)
             with job.lock:
                 for chunk in job.chunks:
                     chunk.host = chunk.device
                     chunk.device = None
             return
-        with torch.cuda.stream(stream):
-            if job.freeze_event is not None:
-                stream.wait_event(job.freeze_event)  # DEV-1
-            hosts: list[dict[TensorName, torch.Tensor]] = [{} for _ in job.chunks]
-            for key in job.keys:
-                parts = [
-                    (i, c.device[key])
-                    for i, c in enumerate(job.chunks)
-                    if c.device and key in c.device
-                ]
-                if not parts:
-                    continue
-                src = parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts])
-                host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-                copy_in_pieces(host, src, self.copy_chunk_bytes, non_blocking=True)
-                offset = 0
-                for i, part in parts:
-                    hosts[i][key] = host[offset : offset + len(part)]
-                    offset += len(part)
-                self.bytes_to_host += host.numel() * host.element_size()
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
+        try:
+            with torch.cuda.stream(stream):
+                if job.freeze_event is not None:
+                    stream.wait_event(job.freeze_event)  # DEV-1
+                hosts: list[dict[TensorName, torch.Tensor]] = [{} for _ in job.chunks]
+                for key in job.keys:
+                    parts = [
+                        (i, c.device[key])
+                        for i, c in enumerate(job.chunks)
+                        if c.device and key in c.device
+                    ]
+                    if not parts:
+                        continue
+                    src = parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts])
+                    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                    piece = None
+                    if "deferred_piece" in self.faults.hooks:
+
+                        def piece(start: int, stop: int, key: TensorName = key) -> None:
+                            self.faults.fire("deferred_piece", (job, key, start, stop))
+
+                    copy_in_pieces(
+                        host, src, self.copy_chunk_bytes, non_blocking=True, before_piece=piece
+                    )
+                    offset = 0
+                    for i, part in parts:
+                        hosts[i][key] = host[offset : offset + len(part)]
+                        offset += len(part)
+                    self.bytes_to_host += host.numel() * host.element_size()
+                done = torch.cuda.Event()
+                done.record(stream)
+            self.faults.fire("host_ready", job)
+            done.synchronize()
+        except BaseException:
+            # Pieces already launched still read the clones and write the host rows: let them
+            # finish before the failed job (and its clones) can be dropped.
+            with contextlib.suppress(Exception):
+                stream.synchronize()
+            raise
         with job.lock:  # readers take every chunk's rows under this lock: all device or all host
             for chunk, host_rows in zip(job.chunks, hosts, strict=True):
                 chunk.host = host_rows
@@ -413,23 +453,39 @@ def row_bytes(rows: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+def piece_ranges(num_rows: int, row_nbytes: int, max_bytes: int) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` row ranges of a copy in pieces of at most ``max_bytes`` (BUDGET-3).
+
+    A row wider than ``max_bytes`` goes alone; the ranges tile ``[0, num_rows)`` in order.
+    """
+    rows_per_piece = max(1, max_bytes // max(1, row_nbytes))
+    return [
+        (start, min(start + rows_per_piece, num_rows))
+        for start in range(0, num_rows, rows_per_piece)
+    ]
+
+
 def copy_in_pieces(
-    dst: torch.Tensor, src: torch.Tensor, max_bytes: int, *, non_blocking: bool = False
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    max_bytes: int,
+    *,
+    non_blocking: bool = False,
+    before_piece: Callable[[int, int], None] | None = None,
 ) -> list[tuple[int, int]]:
     """Copy ``src`` into ``dst`` row range by row range, each at most ``max_bytes`` (BUDGET-3).
 
-    A row wider than ``max_bytes`` goes alone. Returns the ``(start, stop)`` row ranges copied,
-    in order; they tile ``[0, len(src))``.
+    A row wider than ``max_bytes`` goes alone. ``before_piece(start, stop)`` runs before each
+    piece (the ``deferred_piece`` fault point). Returns the ``(start, stop)`` row ranges
+    copied, in order; they tile ``[0, len(src))``.
     """
     if len(src) == 0:
         return []
-    row_nbytes = max(1, src[0].numel() * src.element_size())
-    rows_per_piece = max(1, max_bytes // row_nbytes)
-    pieces = []
-    for start in range(0, len(src), rows_per_piece):
-        stop = min(start + rows_per_piece, len(src))
+    pieces = piece_ranges(len(src), src[0].numel() * src.element_size(), max_bytes)
+    for start, stop in pieces:
+        if before_piece is not None:
+            before_piece(start, stop)
         dst[start:stop].copy_(src[start:stop], non_blocking=non_blocking)
-        pieces.append((start, stop))
     return pieces
 
 

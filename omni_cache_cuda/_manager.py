@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import logging
@@ -37,6 +38,8 @@ import torch
 from omni_cache_core import (
     HIDDEN_KEY,
     BadInputError,
+    HitUnreadableError,
+    HostAllocationError,
     ModelCachePolicy,
     OmniPrefixCacheUnmatchError,
     PageTimeoutError,
@@ -44,6 +47,7 @@ from omni_cache_core import (
     PrefixCacheStep,
     ReqId,
     ShutDownError,
+    StagingCopyError,
     StepId,
     TensorName,
     Tid,
@@ -75,6 +79,7 @@ from omni_cache_core._values import (
     WriteLanded,
 )
 from omni_cache_cuda._committer import Chunk, Committer, Signal, WriteJob
+from omni_cache_cuda._faults import Faults
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._log import BUDGET_FLUSH_LOG_INTERVAL_S, RateLimit, log, next_id
 from omni_cache_cuda._nvtx import no_ranges, ranges_for
@@ -86,7 +91,7 @@ from omni_cache_cuda._outputs import (
     split_leftover,
     unpin,
 )
-from omni_cache_cuda._stats import CacheStats
+from omni_cache_cuda._stats import CacheStats, HostBytes
 from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
 
 __all__ = ["OmniPrefixCacheManager"]
@@ -211,9 +216,14 @@ class OmniPrefixCacheManager:
         self._lock = threading.Lock()
         self._signal = Signal()
         self._reports: collections.deque[Report] = collections.deque()
-        self._pool = HostPool(config.num_slots, pin=self._cuda)
+        # Test hooks at the fault points (`omni_cache_cuda._faults`); empty in normal use.
+        self._faults = Faults()
+        self._pool = HostPool(config.num_slots, pin=self._cuda, faults=self._faults)
         self._pages = StagingPages(
-            config.staging_depth, config.staging_capacity_tokens, pin=self._cuda
+            config.staging_depth,
+            config.staging_capacity_tokens,
+            pin=self._cuda,
+            faults=self._faults,
         )
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._read_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -227,6 +237,7 @@ class OmniPrefixCacheManager:
             copy_chunk_bytes=config.copy_chunk_bytes,
             cache_id=self._id,
             ranges=self._range,
+            faults=self._faults,
         )
         self._jobs: dict[Tid, WriteJob] = {}
         self._steps: dict[StepId, _StepContext] = {}
@@ -293,6 +304,15 @@ class OmniPrefixCacheManager:
         stopped = self._committer.shutdown(_SHUTDOWN_JOIN_S)
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            # Nothing is read or written from here on: let the host storage (pinned or not),
+            # the device clones and the snapshots go now, not when the manager is collected.
+            self._jobs.clear()
+            self._steps.clear()
+            self._reads.clear()
+            self._start_reads = set()
+            self._pool.release()
+            self._pages.release()
         log(
             logging.INFO if stopped else logging.WARNING,
             "shutdown",
@@ -308,9 +328,129 @@ class OmniPrefixCacheManager:
             committer_stopped=stopped,
         )
 
+    # -----------------------------------------------------------------------------------------
+    # Host memory, planned and reserved up front (D20).
+
+    def host_bytes(
+        self, keys: Mapping[str, tuple[int | Sequence[int], torch.dtype]]
+    ) -> dict[str, HostBytes]:
+        """Say how many host bytes each cached key takes once allocated (D20).
+
+        ``keys`` maps a key's name (`HIDDEN_KEY` for the hidden states, an mm name as the model
+        emits it) to ``(width, dtype)``: the width is the number of elements in one row, or the
+        row's shape as a tuple (a ``(tokens, 2, 4)`` tensor has rows of shape ``(2, 4)``).
+        Returns per key the pool (one row per KV slot), the staging pages (none for a key the
+        policy defers) and the occupancy table (8 bytes per slot). Allocates nothing, never
+        blocks, and works in any state.
+
+        Raises:
+            BadInputError: Not a mapping, an empty name, a width that is not a positive int or
+                a tuple of them, a dtype that is not a ``torch.dtype``, the hidden key when the
+                policy does not cache it, or a key the cache has with another row shape.
+        """
+        shapes = self._key_shapes(keys, "host_bytes")
+        deferred = self._core.policy.deferred_keys
+        occupancy = self._core.occupancy_bytes_per_key()
+        return {
+            key: HostBytes(
+                pool=self._pool.nbytes_for(shape),
+                pages=0 if key in deferred else self._pages.nbytes_for(shape),
+                occupancy=occupancy,
+            )
+            for key, shape in shapes.items()
+        }
+
+    def reserve(self, keys: Mapping[str, tuple[int | Sequence[int], torch.dtype]]) -> None:
+        """Allocate cached keys' host storage now, off the hot path (D20).
+
+        Takes what `host_bytes` takes. For each key not allocated yet: its host pool, its
+        staging pages unless the policy defers it, and its occupancy table, pinned on CUDA, so
+        the key's first save allocates nothing (without it, that save allocates and zero-fills
+        the pool on the engine thread). A key keeps this row shape: a save with another one
+        raises (FAIL-5). Call it after `register_policy`, before the first step, on the thread
+        that saves. Blocks for the allocation (seconds for a pool of gigabytes).
+
+        Raises:
+            BadInputError: Bad keys, as for `host_bytes`; nothing is allocated.
+            HostAllocationError: An allocation or a pin failed. This call keeps nothing it
+                allocated (nothing stays pinned for it); keys the cache had stay usable.
+            WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
+            ShutDownError: The cache is shut down.
+        """
+        self._refuse_if_unusable("reserve")
+        shapes = self._key_shapes(keys, "reserve")
+        deferred = self._core.policy.deferred_keys
+        self._install_keys(shapes, {k for k in shapes if k not in deferred}, tables=True)
+
+    def _key_shapes(self, keys: object, operation: str) -> dict[TensorName, KeyShape]:
+        """Check `host_bytes` and `reserve` input; return each key's row shape."""
+        if not isinstance(keys, Mapping):
+            raise BadInputError(
+                what=operation,
+                expected="a mapping of cached key name to (width, dtype)",
+                got=type(keys).__name__,
+            )
+        caches_hidden = self._core.policy.needs_full_hidden_states
+        shapes: dict[TensorName, KeyShape] = {}
+        for name, spec in keys.items():
+            if not isinstance(name, str) or not name:
+                raise BadInputError(
+                    what=f"{operation} key name", expected="a non-empty str", got=repr(name)
+                )
+            if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+                raise BadInputError(
+                    what=f"{operation} entry of key {name!r}",
+                    expected="a (width, dtype) pair",
+                    got=repr(spec),
+                )
+            width, dtype = spec
+            features = (width,) if isinstance(width, int) else width
+            if (
+                not isinstance(features, (tuple, list))
+                or not features
+                or not all(type(d) is int and d > 0 for d in features)
+            ):
+                raise BadInputError(
+                    what=f"width of key {name!r}",
+                    expected="an int > 0, or a tuple of them (the row shape)",
+                    got=repr(width),
+                )
+            if not isinstance(dtype, torch.dtype):
+                raise BadInputError(
+                    what=f"dtype of key {name!r}", expected="a torch.dtype", got=repr(dtype)
+                )
+            if name == HIDDEN_KEY and not caches_hidden:
+                raise BadInputError(
+                    what=f"{operation} key {name!r}",
+                    expected="a key the policy caches (this policy caches no hidden states, OUT-7)",
+                    got="the hidden-state key",
+                )
+            shape = KeyShape(tuple(features), dtype)
+            known = self._pool.shapes.get(name)
+            if known is not None and known != shape:
+                raise BadInputError(
+                    what=f"{operation} key {name!r}",
+                    expected=f"row shape {known.features} and dtype {known.dtype} as first seen "
+                    "(FAIL-5)",
+                    got=f"row shape {shape.features} and dtype {shape.dtype}",
+                )
+            shapes[TensorName(name)] = shape
+        return shapes
+
     def _inject_write_fault(self, fault: Any) -> None:
         """Test hook: ``fault(job)`` runs before every pool write; raising fails that write."""
-        self._committer.fault = fault
+        self._inject_fault("pool_write", fault)
+
+    def _inject_fault(self, point: str, hook: Any) -> None:
+        """Test hook (not public API): ``hook(detail)`` runs at a fault point; None removes it.
+
+        What the hook raises stands for that piece of work failing; `omni_cache_cuda._faults`
+        lists the points, their details and the error each ends in (D19).
+
+        Raises:
+            ValueError: Not a fault point.
+        """
+        self._faults.set(point, hook)
 
     # -----------------------------------------------------------------------------------------
     # Engine thread: step start.
@@ -360,10 +500,18 @@ class OmniPrefixCacheManager:
                 if self._range is no_ranges
                 else functools.partial(self._prefetch_gather, pool_rows)
             )
+            if "prefetch" in self._faults.hooks:
+                gather = functools.partial(self._faulty_prefetch, effect, gather)
             record.prefetch = (effect.positions, self._prefetcher.submit(gather, 0, slots))
         if escalate and not self.threaded:
             with self._lock:
                 self._drain()
+
+    def _faulty_prefetch(
+        self, effect: PrefetchRead, gather: Any, dim: int, slots: torch.Tensor
+    ) -> Any:
+        self._faults.fire("prefetch", effect)
+        return gather(dim, slots)
 
     def _prefetch_gather(self, pool_rows: torch.Tensor, dim: int, slots: torch.Tensor) -> Any:
         with self._range("omni_cache.hit_prefetch"):
@@ -397,6 +545,9 @@ class OmniPrefixCacheManager:
             OmniPrefixCacheStagingTimeoutError: No page freed up in time (PAGE-4). Unchanged.
             WaitTimeoutError: The barrier or a budget flush ran out of time. Unchanged (writes
                 already forced out by a flush stay written).
+            HostAllocationError: A key seen for the first time could not get its host storage
+                (D20). Unchanged: nothing of it is kept.
+            StagingCopyError: Copying the step's rows into its page failed (D19). Unchanged.
             WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
             ShutDownError: The cache is shut down.
         """
@@ -623,16 +774,71 @@ class OmniPrefixCacheManager:
         self._signal.wait(seen, max(remaining, 0.0) + 1e-4)
 
     def _install_keys(
-        self, shapes: Mapping[TensorName, KeyShape], immediate: set[TensorName]
+        self,
+        shapes: Mapping[TensorName, KeyShape],
+        immediate: set[TensorName],
+        *,
+        tables: bool = False,
     ) -> None:
-        """Allocate storage for keys seen for the first time outside the lock; install under it."""
+        """Allocate storage for keys seen for the first time outside the lock; install under it.
+
+        With ``tables`` the core's occupancy tables are allocated too (`reserve`). All or
+        nothing (D20): an allocation that fails raises `HostAllocationError` and this call keeps
+        nothing it allocated; the keys installed before stay.
+        """
         new_pool = {k: s for k, s in shapes.items() if k not in self._pool.tensors}
         new_pages = {k: shapes[k] for k in immediate if k not in self._pages.buffers}
-        if not new_pool and not new_pages:
+        if not new_pool and not new_pages and not tables:
             return
-        pool_storage = {k: self._pool.allocate(s) for k, s in new_pool.items()}
-        page_storage = {k: self._pages.allocate(s) for k, s in new_pages.items()}
+        pool_storage: dict[TensorName, torch.Tensor] = {}
+        page_storage: dict[TensorName, torch.Tensor] = {}
+        failed: tuple[HostPool | StagingPages, TensorName, KeyShape] | None = None
+        try:
+            for key, shape in new_pool.items():
+                failed = (self._pool, key, shape)
+                pool_storage[key] = self._pool.allocate(shape, key)
+            for key, shape in new_pages.items():
+                failed = (self._pages, key, shape)
+                page_storage[key] = self._pages.allocate(shape, key)
+        except Exception as exc:
+            # Keep nothing: storage pinned for this call is unpinned as it is freed here.
+            pool_storage.clear()
+            page_storage.clear()
+            assert failed is not None
+            storage, key, shape = failed
+            raise HostAllocationError(
+                key=key,
+                part="pool" if storage is self._pool else "pages",
+                nbytes=storage.nbytes_for(shape),
+                pinned=storage.pin,
+                reason=f"{type(exc).__name__}: {exc}",
+            ) from exc
         with self._lock:
+            if self._closed:
+                raise ShutDownError(operation="allocate host storage")
+            for key, shape in shapes.items():
+                known = self._pool.shapes.get(key)
+                if known is not None and known != shape:
+                    # A reserve on another thread installed the key first (first install wins).
+                    raise BadInputError(
+                        what=f"rows of cached key {key!r}",
+                        expected=f"row shape {known.features} and dtype {known.dtype} as first "
+                        "seen (FAIL-5)",
+                        got=f"row shape {shape.features} and dtype {shape.dtype}",
+                    )
+            if tables:
+                try:
+                    self._core.reserve_tables(shapes)
+                except MemoryError as exc:
+                    pool_storage.clear()
+                    page_storage.clear()
+                    raise HostAllocationError(
+                        key=", ".join(shapes),
+                        part="occupancy",
+                        nbytes=len(shapes) * self._core.occupancy_bytes_per_key(),
+                        pinned=False,
+                        reason=f"{type(exc).__name__}: {exc}",
+                    ) from exc
             for key, storage in pool_storage.items():
                 self._pool.install(key, new_pool[key], storage)
             for key, buffer in page_storage.items():
@@ -696,7 +902,18 @@ class OmniPrefixCacheManager:
         )
         hold: list[torch.Tensor] = []
         with self._range("omni_cache.step_copy"):
-            ctx.deferred_rows = self._copy_step(parts, n, page, ctx, on_device, hold)
+            try:
+                ctx.deferred_rows = self._copy_step(parts, n, page, ctx, on_device, hold)
+            except Exception as exc:
+                # D19: part of the save's transaction, which aborts and leaves no trace. A copy
+                # already launched must be over before the page goes back.
+                if self._copy_stream is not None:
+                    with contextlib.suppress(Exception):
+                        self._copy_stream.synchronize()
+                if isinstance(exc, StagingCopyError):
+                    raise
+                reason = f"{type(exc).__name__}: {exc}"
+                raise StagingCopyError(key=None, reason=reason) from exc
         step_job = None
         if parts.immediate:
             step_job = WriteJob(
@@ -732,7 +949,7 @@ class OmniPrefixCacheManager:
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(freeze)
                 for key, rows in immediate.items():
-                    self._pages.rows(key, page, n).copy_(rows.reshape(n, -1), non_blocking=True)
+                    self._copy_into_page(key, rows, page, n, non_blocking=True)
                     self._bytes_d2h += rows.numel() * rows.element_size()
                 d2h = torch.cuda.Event()
                 d2h.record(self._copy_stream)
@@ -741,7 +958,7 @@ class OmniPrefixCacheManager:
             hold.extend(immediate.values())
         else:
             for key, rows in parts.immediate.items():
-                self._pages.rows(key, page, n).copy_(rows.reshape(n, -1))
+                self._copy_into_page(key, rows, page, n, non_blocking=False)
             deferred = {k: v.detach().clone() for k, v in parts.deferred.items()}
             # A deferred key's leftover is the same rows as its clone: one copy serves both.
             ctx.leftover = {
@@ -749,6 +966,16 @@ class OmniPrefixCacheManager:
                 for k, v in parts.leftover.items()
             }
         return deferred
+
+    def _copy_into_page(
+        self, key: TensorName, rows: torch.Tensor, page: int, n: int, *, non_blocking: bool
+    ) -> None:
+        """Copy one key's rows of the step into its page (the ``page_copy`` fault point)."""
+        try:
+            self._faults.fire("page_copy", key)
+            self._pages.rows(key, page, n).copy_(rows.reshape(n, -1), non_blocking=non_blocking)
+        except Exception as exc:
+            raise StagingCopyError(key=key, reason=f"{type(exc).__name__}: {exc}") from exc
 
     def _apply_commit(
         self,
@@ -837,14 +1064,26 @@ class OmniPrefixCacheManager:
             WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
             ShutDownError: The cache is shut down.
         """
-        if isinstance(req_ids, str):
+        step_id = self._step_id(step_id, "materialize")
+        try:
+            if isinstance(req_ids, str):
+                raise TypeError("a str")
+            wanted = tuple(req_ids)
+        except TypeError:
+            self._refuse_if_unusable("materialize")
             raise BadInputError(
-                what="materialize req_ids", expected="a sequence of request ids", got="a str"
-            )
-        wanted = tuple(req_ids)
+                what="materialize req_ids",
+                expected="a sequence of request ids",
+                got="a str" if isinstance(req_ids, str) else type(req_ids).__name__,
+            ) from None
         plan, ctx, records = self._consume(step_id, wanted)
         try:
             return self._build(plan, ctx, records, wanted)
+        except Exception as exc:
+            if self._closed and not isinstance(exc, OmniPrefixCacheUnmatchError):
+                # The cache shut down while this materialize was reading (FAIL-4).
+                raise ShutDownError(operation="materialize") from exc
+            raise
         finally:
             with self._lock:
                 self._core.consume_end(ConsumeEnd(step_id=step_id))
@@ -857,11 +1096,23 @@ class OmniPrefixCacheManager:
         Raises:
             UnknownStepError: The id was never issued; the cache is unchanged (STEP-2).
             StepAlreadyConsumedError: The id was consumed; the cache is unchanged (STEP-2).
+            BadInputError: The step id is not an int; the cache is unchanged.
             WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
             ShutDownError: The cache is shut down.
         """
-        self._consume(step_id, None)
+        self._consume(self._step_id(step_id, "discard_step"), None)
         self._signal.bump()
+
+    def _step_id(self, step_id: object, operation: str) -> StepId:
+        """A step id given to a consume, or `BadInputError` (FAIL-5)."""
+        if isinstance(step_id, (int, np.integer)) and not isinstance(step_id, bool):
+            return StepId(int(step_id))
+        self._refuse_if_unusable(operation)
+        raise BadInputError(
+            what=f"{operation} step_id",
+            expected="an int step id returned by save_outputs",
+            got=repr(step_id),
+        )
 
     def _consume(
         self, step_id: StepId, wanted: tuple[str, ...] | None
@@ -897,7 +1148,9 @@ class OmniPrefixCacheManager:
                 self._wait(seen, effect.deadline_ns)
 
     def _forget_step(self, step_id: StepId) -> _StepContext:
-        ctx = self._steps.pop(step_id)
+        ctx = self._steps.pop(step_id, None)
+        if ctx is None:  # shutdown dropped every step context
+            return _StepContext()
         for read_id in ctx.read_ids:
             record = self._reads.pop(read_id, None)
             if record is not None:
@@ -1017,9 +1270,26 @@ class OmniPrefixCacheManager:
         ctx: _StepContext,
         current: Mapping[TensorName, torch.Tensor],
     ) -> None:
-        """Fill ``out`` (one row per hit slot) from the sources the core planned (HIT-3)."""
+        """Fill ``out`` (one row per hit slot) from the sources the core planned (HIT-3).
+
+        A gather that fails (here or in its prefetch) raises `HitUnreadableError`: the rows
+        cannot be served, and the materialize that needed them fails (D19).
+        """
         with self._range("omni_cache.hit_gather"):
-            self._gather_rows(out, read, record, ctx, current)
+            try:
+                self._faults.fire("gather", read)
+                self._gather_rows(out, read, record, ctx, current)
+            except OmniPrefixCacheUnmatchError:
+                raise
+            except (Exception, concurrent.futures.CancelledError) as exc:
+                if self._closed:
+                    raise ShutDownError(operation="materialize") from exc
+                raise HitUnreadableError(
+                    req_id=read.req_id,
+                    key=read.key,
+                    reason=f"gathering the hit rows failed: {type(exc).__name__}: {exc}",
+                    slot_count=len(read.slots),
+                ) from exc
 
     def _gather_rows(
         self,
@@ -1151,6 +1421,10 @@ class OmniPrefixCacheManager:
                 occupancy_bytes=core.occupancy_metadata_bytes(),
                 pool_bytes=self._pool.nbytes(),
                 staging_bytes=self._pages.nbytes(),
+                host_pinned_bytes=self._pool.nbytes(pinned=True) + self._pages.nbytes(pinned=True),
+                host_unpinned_bytes=(
+                    self._pool.nbytes(pinned=False) + self._pages.nbytes(pinned=False)
+                ),
             )
 
 

@@ -6,7 +6,7 @@ from types import MappingProxyType
 
 import attrs
 
-__all__ = ["CacheStats"]
+__all__ = ["CacheStats", "HostBytes"]
 
 
 def _frozen_map(value: dict[str, int]) -> MappingProxyType[str, int]:
@@ -38,6 +38,8 @@ class CacheStats:
         occupancy_bytes: Bytes of the occupancy tables (SLOT-6).
         pool_bytes: Bytes of the host pool.
         staging_bytes: Bytes of the staging pages.
+        host_pinned_bytes: Bytes of the pool and pages that are pinned (on CUDA).
+        host_unpinned_bytes: Bytes of the pool and pages that are not pinned (on the CPU).
     """
 
     steps_saved: int
@@ -58,3 +60,26 @@ class CacheStats:
     occupancy_bytes: int
     pool_bytes: int
     staging_bytes: int
+    host_pinned_bytes: int
+    host_unpinned_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class HostBytes:
+    """The host bytes one cached key takes once allocated (`OmniPrefixCacheManager.host_bytes`).
+
+    Attributes:
+        pool: The host pool: one row per KV slot (``num_blocks * block_size * row_bytes``).
+        pages: The staging pages: ``staging_depth * staging_capacity_tokens * row_bytes`` for an
+            immediate key, 0 for a deferred one.
+        occupancy: The occupancy table: 8 bytes per KV slot (SLOT-6).
+    """
+
+    pool: int
+    pages: int
+    occupancy: int
+
+    @property
+    def total(self) -> int:
+        """All three together."""
+        return self.pool + self.pages + self.occupancy

@@ -1,9 +1,11 @@
 """Host storage: the pool (one row per KV slot per key) and the staging pages (PAGE-1).
 
-Both are allocated lazily per key, outside the state lock, and installed under it (first install
-wins). On a CUDA machine they are pinned at their exact size: a plain host tensor registered with
-``cudaHostRegister`` rather than the caching host allocator, which rounds every block up to a power
-of two (a 0.9 GiB pool would cost 1 GiB).
+Both are allocated per key, at `reserve` or lazily at the key's first save, outside the state
+lock, and installed under it (first install wins). On a CUDA machine they are pinned at their
+exact size: a plain host tensor registered with ``cudaHostRegister`` rather than the caching host
+allocator, which rounds every block up to a power of two (a 0.9 GiB pool would cost 1 GiB). An
+allocation or a pin that fails raises and keeps nothing (D20); `alloc_host` fires the ``alloc``
+and ``pin`` fault points (`omni_cache_cuda._faults`) for the tests.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from typing import Any
 
 import attrs
 import torch
 
 from omni_cache_core import BadInputError, TensorName
+from omni_cache_cuda._faults import Faults
 
 __all__ = ["HostPool", "KeyShape", "StagingPages", "alloc_host"]
 
@@ -42,19 +46,43 @@ class _Unregister:
             _registered_bytes -= self.nbytes
 
 
-def alloc_host(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """Allocate zeroed host memory, pinned at its exact size when ``pin`` (see module doc)."""
+def alloc_host(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    pin: bool,
+    faults: Faults | None = None,
+    detail: Any = None,
+) -> torch.Tensor:
+    """Allocate zeroed host memory, pinned at its exact size when ``pin`` (see module doc).
+
+    Raises what the allocation or the pinning raised; then nothing stays allocated or pinned
+    (the caller must not keep the exception's frames alive either: no local holds the memory).
+    ``faults`` fires the ``alloc`` point before the allocation and ``pin`` before pinning, with
+    ``detail``.
+    """
+    if faults is not None:
+        faults.fire("alloc", detail)
     tensor = torch.zeros(shape, dtype=dtype)
     if not pin or tensor.numel() == 0:
         return tensor
+    try:
+        if faults is not None:
+            faults.fire("pin", detail)
+    except BaseException:
+        del tensor  # the exception's frame must not keep the memory
+        raise
     global _registered_bytes
     nbytes = tensor.untyped_storage().nbytes()
     ptr = tensor.data_ptr()
     status = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(status) != 0:
         # Registration can be refused (for example under a locked-memory limit); fall back to
-        # the caching allocator, which pins a rounded-up block.
-        return tensor.pin_memory()
+        # the caching allocator, which pins a rounded-up block. If that fails too, it raises.
+        try:
+            return tensor.pin_memory()
+        finally:
+            del tensor
     with _registered_lock:
         _registered_bytes += nbytes
 
@@ -100,49 +128,100 @@ class HostPool:
     Written by one writer only (CONC-4): the committer thread, or the caller in inline mode.
     """
 
-    def __init__(self, num_slots: int, *, pin: bool) -> None:
+    def __init__(self, num_slots: int, *, pin: bool, faults: Faults | None = None) -> None:
         self.num_slots = num_slots
         self.pin = pin
+        self.faults = faults
         self.tensors: dict[TensorName, torch.Tensor] = {}
         self.shapes: dict[TensorName, KeyShape] = {}
+        #: Keys whose storage is pinned.
+        self.pinned: set[TensorName] = set()
 
-    def allocate(self, shape: KeyShape) -> torch.Tensor:
+    def nbytes_for(self, shape: KeyShape) -> int:
+        """Bytes a key of this row shape takes: one row per KV slot (D20)."""
+        return self.num_slots * shape.row_bytes
+
+    def allocate(self, shape: KeyShape, key: TensorName | None = None) -> torch.Tensor:
         """Allocate a key's storage; call outside the state lock, then `install` under it."""
-        return alloc_host((self.num_slots, shape.width), shape.dtype, pin=self.pin)
+        return alloc_host(
+            (self.num_slots, shape.width),
+            shape.dtype,
+            pin=self.pin,
+            faults=self.faults,
+            detail=("pool", key),
+        )
 
     def install(self, key: TensorName, shape: KeyShape, storage: torch.Tensor) -> None:
         """Install a key's storage unless one is there already (first install wins)."""
         if key not in self.tensors:
             self.tensors[key] = storage
             self.shapes[key] = shape
+            if self.pin:
+                self.pinned.add(key)
 
-    def nbytes(self) -> int:
-        """Bytes of every key's storage."""
-        return sum(t.untyped_storage().nbytes() for t in self.tensors.values())
+    def nbytes(self, *, pinned: bool | None = None) -> int:
+        """Bytes of every key's storage (only the pinned, or unpinned, ones if asked)."""
+        return sum(
+            t.untyped_storage().nbytes()
+            for k, t in self.tensors.items()
+            if pinned is None or (k in self.pinned) == pinned
+        )
+
+    def release(self) -> None:
+        """Drop every key's storage (shutdown); the memory goes once no reader holds it."""
+        self.tensors = {}
+        self.pinned = set()
 
 
 class StagingPages:
     """``staging_depth`` pages of ``staging_capacity_tokens`` rows per immediate key (PAGE-1)."""
 
-    def __init__(self, depth: int, capacity: int, *, pin: bool) -> None:
+    def __init__(
+        self, depth: int, capacity: int, *, pin: bool, faults: Faults | None = None
+    ) -> None:
         self.depth = depth
         self.capacity = capacity
         self.pin = pin
+        self.faults = faults
         self.buffers: dict[TensorName, torch.Tensor] = {}
+        #: Keys whose pages are pinned.
+        self.pinned: set[TensorName] = set()
 
-    def allocate(self, shape: KeyShape) -> torch.Tensor:
+    def nbytes_for(self, shape: KeyShape) -> int:
+        """Bytes an immediate key of this row shape takes: every page's rows (D20)."""
+        return self.depth * self.capacity * shape.row_bytes
+
+    def allocate(self, shape: KeyShape, key: TensorName | None = None) -> torch.Tensor:
         """Allocate a key's pages; call outside the state lock, then `install` under it."""
-        return alloc_host((self.depth * self.capacity, shape.width), shape.dtype, pin=self.pin)
+        return alloc_host(
+            (self.depth * self.capacity, shape.width),
+            shape.dtype,
+            pin=self.pin,
+            faults=self.faults,
+            detail=("pages", key),
+        )
 
     def install(self, key: TensorName, buffer: torch.Tensor) -> None:
         """Install a key's pages unless they are there already."""
-        self.buffers.setdefault(key, buffer)
+        if key not in self.buffers:
+            self.buffers[key] = buffer
+            if self.pin:
+                self.pinned.add(key)
 
     def rows(self, key: TensorName, page: int, n: int) -> torch.Tensor:
         """The first ``n`` rows of one page of one key (a view)."""
         start = page * self.capacity
         return self.buffers[key][start : start + n]
 
-    def nbytes(self) -> int:
-        """Bytes of every key's pages."""
-        return sum(t.untyped_storage().nbytes() for t in self.buffers.values())
+    def nbytes(self, *, pinned: bool | None = None) -> int:
+        """Bytes of every key's pages (only the pinned, or unpinned, ones if asked)."""
+        return sum(
+            t.untyped_storage().nbytes()
+            for k, t in self.buffers.items()
+            if pinned is None or (k in self.pinned) == pinned
+        )
+
+    def release(self) -> None:
+        """Drop every key's pages (shutdown); the memory goes once no reader holds it."""
+        self.buffers = {}
+        self.pinned = set()

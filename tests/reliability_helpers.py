@@ -1,0 +1,101 @@
+"""Helpers for the fault, leak and bad-input tests: bounded calls, a one-shot fault, checks.
+
+`bounded` runs a call on a helper thread and fails the test when it has not returned within a
+generous bound (a hang), so a fault turned into a hang fails instead of stalling the suite; it
+asserts no speed. `usable` proves a cache still serves correct rows after something went wrong:
+it runs a fresh request with a prefix hit on blocks it writes itself, materializes and checks
+every row, then checks the core's invariants.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from omni_cache_cuda import OmniPrefixCacheManager
+from tests.adapter_helpers import Engine, settle
+
+__all__ = [
+    "HANG_S",
+    "InjectedFault",
+    "OneShot",
+    "bounded",
+    "library_threads",
+    "usable",
+]
+
+T = TypeVar("T")
+
+#: A call that has not returned after this long is a hang (no test waits anywhere near it).
+HANG_S = 60.0
+
+
+class InjectedFault(RuntimeError):
+    """The failure a test's fault hook raises."""
+
+
+class OneShot:
+    """A fault hook that raises at its ``skip + 1``-th call and lets every other call pass."""
+
+    def __init__(self, skip: int = 0) -> None:
+        self.skip = skip
+        self.calls: list[Any] = []
+        self.fired = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, detail: Any) -> None:
+        with self._lock:
+            self.calls.append(detail)
+            fire = len(self.calls) == self.skip + 1
+            if fire:
+                self.fired += 1
+        if fire:
+            raise InjectedFault(f"injected fault at call {self.skip + 1}")
+
+
+def bounded(call: Callable[[], T], what: str = "call") -> T:
+    """Run ``call`` on a helper thread; fail when it does not return within `HANG_S`."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="bounded-call", daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    assert not thread.is_alive(), f"{what} hung (no return after {HANG_S}s)"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]  # type: ignore[no-any-return]
+
+
+def library_threads() -> list[str]:
+    """Names of the library's threads still alive."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("omni-prefix-cache")]
+
+
+def usable(manager: OmniPrefixCacheManager, blocks: tuple[int, int, int] = (13, 14, 15)) -> None:
+    """The cache serves exact rows: a request writes two blocks, a second one hits them.
+
+    Uses its own request ids and the given blocks (untouched by the caller's test), checks
+    every returned row against what was written, then the core's invariants.
+    """
+    engine = Engine(manager)
+    a, b, c = blocks
+    engine.start("usable-a", [a, b])
+    engine.materialize(bounded(lambda: engine.step({"usable-a": 8}), "save"))
+    engine.finish("usable-a")
+    engine.start("usable-b", [a, b, c], hit_end=8)
+    saved = bounded(lambda: engine.step({"usable-b": 2}), "save")
+    out = bounded(lambda: engine.materialize(saved), "materialize")
+    assert out.positions["usable-b"] == (0, 10)
+    engine.finish("usable-b")
+    last = bounded(lambda: engine.step({}), "save")
+    manager.discard_step(last.step_id)
+    settle(manager)
+    with manager._lock:
+        manager._core.check_invariants()

@@ -1,0 +1,156 @@
+"""Host memory planned and reserved up front (D20): `host_bytes`, `reserve`, pinned bytes.
+
+`host_bytes` says what each key will take; `reserve` allocates it off the hot path, so the key's
+first save allocates nothing; `stats()` shows the bytes pinned and not pinned. Runs inline and
+with a committer thread on the CPU (nothing is pinned there; tests/gpu checks the pinned side).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omni_cache_cuda import (
+    HIDDEN_KEY,
+    BadInputError,
+    HostBytes,
+    OmniPrefixCacheManager,
+    ShutDownError,
+)
+from tests.adapter_helpers import DEF, MM, Engine, make_manager, settle
+from tests.reliability_helpers import usable
+
+Make = Callable[..., OmniPrefixCacheManager]
+
+#: The test engine's keys (tests.adapter_helpers.ROW_SHAPES) as `reserve` takes them.
+KEYS: dict[str, tuple[Any, torch.dtype]] = {
+    HIDDEN_KEY: (4, torch.float32),
+    MM: ((3,), torch.float32),
+    DEF: ((2, 2), torch.int64),
+}
+
+
+@pytest.fixture(params=[False, True], ids=["inline", "threaded"])
+def make(request: pytest.FixtureRequest) -> Iterator[Make]:
+    made: list[OmniPrefixCacheManager] = []
+
+    def build(**kwargs: Any) -> OmniPrefixCacheManager:
+        manager = make_manager(bool(request.param), **kwargs)
+        made.append(manager)
+        return manager
+
+    yield build
+    for manager in made:
+        manager.shutdown()
+
+
+def test_host_bytes_is_the_arithmetic(make: Make) -> None:
+    """Pool: a row per KV slot; pages: depth x capacity rows, none for a deferred key."""
+    manager = make()  # 16 blocks of 4 slots, 3 pages of 64 rows
+    plan = manager.host_bytes(KEYS)
+    assert plan == {
+        HIDDEN_KEY: HostBytes(pool=64 * 16, pages=3 * 64 * 16, occupancy=64 * 8),
+        MM: HostBytes(pool=64 * 12, pages=3 * 64 * 12, occupancy=64 * 8),
+        DEF: HostBytes(pool=64 * 32, pages=0, occupancy=64 * 8),
+    }
+    assert plan[DEF].total == 64 * 32 + 64 * 8
+    assert manager.stats().pool_bytes == 0  # planning allocates nothing
+
+
+def test_reserve_allocates_what_host_bytes_says(make: Make) -> None:
+    """After reserve the stats show exactly the planned bytes, none of it pinned on the CPU."""
+    manager = make()
+    plan = manager.host_bytes(KEYS)
+    manager.reserve(KEYS)
+    stats = manager.stats()
+    assert stats.pool_bytes == sum(p.pool for p in plan.values())
+    assert stats.staging_bytes == sum(p.pages for p in plan.values())
+    assert stats.occupancy_bytes == sum(p.occupancy for p in plan.values())
+    assert stats.host_pinned_bytes == 0
+    assert stats.host_unpinned_bytes == stats.pool_bytes + stats.staging_bytes
+    with manager._lock:
+        manager._core.check_invariants()
+
+
+def test_first_save_after_reserve_allocates_nothing(make: Make) -> None:
+    """Reserved keys: the first save allocates no pool, page or occupancy table."""
+    manager = make()
+    manager.reserve(KEYS)
+    pool = dict(manager._pool.tensors)
+    pages = dict(manager._pages.buffers)
+    tables = dict(manager._core._spare_tables)
+    allocations: list[Any] = []
+    manager._inject_fault("alloc", allocations.append)
+    engine = Engine(manager)
+    engine.start("a", [0, 1, 2])
+    engine.materialize(engine.step({"a": 6}))  # hidden, MM and DEF: every reserved key
+    assert allocations == []
+    assert manager._pool.tensors == pool
+    assert manager._pages.buffers == pages
+    assert all(manager._core._tables[key] is table for key, table in tables.items())
+    assert manager._core._spare_tables == {}
+    usable(manager)
+    assert allocations == []
+
+
+def test_without_reserve_the_first_save_allocates(make: Make) -> None:
+    """The counter-check: a key's first save allocates its pool and pages when not reserved."""
+    manager = make()
+    allocations: list[Any] = []
+    manager._inject_fault("alloc", allocations.append)
+    engine = Engine(manager)
+    engine.start("a", [0, 1, 2])
+    engine.materialize(engine.step({"a": 6}))
+    assert sorted(allocations, key=str) == sorted(
+        [("pool", HIDDEN_KEY), ("pool", MM), ("pool", DEF), ("pages", HIDDEN_KEY), ("pages", MM)],
+        key=str,
+    )
+
+
+def test_reserve_is_idempotent_and_keeps_the_shape(make: Make) -> None:
+    """Reserving a key again with its shape changes nothing; a save of another shape raises."""
+    manager = make()
+    manager.reserve({MM: (3, torch.float32)})
+    storage = manager._pool.tensors[MM]
+    manager.reserve({MM: ((3,), torch.float32), HIDDEN_KEY: (4, torch.float32)})
+    assert manager._pool.tensors[MM] is storage
+    engine = Engine(manager)
+    engine.start("a", [0, 1, 2])
+    engine.begin({"a": 2})
+    with pytest.raises(BadInputError, match="as first seen"):
+        manager.save_outputs(
+            torch.zeros(2, 4),
+            {MM: torch.zeros(2, 5)},
+            num_tokens_unpadded=2,
+            write_layout=engine.layout()[0],
+        )
+    assert settle(manager).steps_saved == 0
+    usable(manager)
+
+
+def test_reserve_of_a_key_seen_at_a_save_is_checked_against_it(make: Make) -> None:
+    """A key the cache saw at a save takes a reserve of the same shape, refuses another."""
+    manager = make()
+    engine = Engine(manager)
+    engine.start("a", [0, 1, 2])
+    engine.materialize(engine.step({"a": 2}))
+    before = manager.stats()
+    manager.reserve(KEYS)  # all three known: nothing new
+    assert manager.stats().pool_bytes == before.pool_bytes
+    with pytest.raises(BadInputError, match="as first seen"):
+        manager.reserve({DEF: ((4,), torch.int64)})
+    usable(manager)
+
+
+def test_reserve_after_shutdown_raises(make: Make) -> None:
+    """A shut-down cache refuses to reserve (FAIL-4); planning still answers."""
+    manager = make()
+    manager.shutdown()
+    with pytest.raises(ShutDownError):
+        manager.reserve(KEYS)
+    with pytest.raises(ShutDownError):
+        manager.reserve({"": (0, "x")})  # type: ignore[dict-item]
+    assert manager.host_bytes({MM: (3, torch.float32)})[MM].pool == 64 * 12
