@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -51,14 +51,24 @@ def no_ranges(name: str) -> AbstractContextManager[None]:
     return _OFF
 
 
-@contextlib.contextmanager
-def nvtx_ranges(name: str) -> Iterator[None]:
-    """Push an NVTX range named ``name`` on this thread; pop it on the way out."""
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
+class _Range:
+    """One NVTX range: pushed on this thread at entry, popped at exit (exceptions included)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        torch.cuda.nvtx.range_push(self.name)
+
+    def __exit__(self, *exc: object) -> None:
         torch.cuda.nvtx.range_pop()
+
+
+def nvtx_ranges(name: str) -> AbstractContextManager[None]:
+    """The range function when ranges are on: an NVTX range named ``name``."""
+    return _Range(name)
 
 
 def ranges_for(device: torch.device) -> RangeFn:
