@@ -43,6 +43,11 @@ Where a resumed request shows up depends on the model runner:
 ``num_computed_tokens`` is the scheduler's count at schedule time: under async scheduling it
 already includes the steps still in flight, which is where the runner places this step's tokens.
 
+vLLM 0.33 registers a prompt's full blocks in its prefix cache when it allocates them, so a
+request scheduled later in the same step can hit blocks another request computes in that very
+step (with three 48-token prompts shared by six requests, the first step already did). The
+cache serves those rows from the producer of the same step.
+
 Async scheduling
 ----------------
 vLLM 0.33 turns async scheduling on by default: the engine core keeps two batches in flight
@@ -82,7 +87,8 @@ last pipeline stage, tensor-parallel rank 0, prefill-context-parallel rank 0). T
 costs ``num_blocks * block_size * row_bytes`` per cached key, pinned on CUDA, plus staging pages
 of ``staging_depth * staging_capacity_tokens * row_bytes`` per immediate key. For hidden states
 of width 4096 in bf16 (8 KiB a row), a KV cache of 16384 blocks of 16 tokens (262,144 slots) and
-the default 4 pages of 8192 tokens, that is 2 GiB + 256 MiB = 2.25 GiB per cache. Every TP rank
+4 staging pages (the default depth) of 8192 tokens (``max_num_batched_tokens``), that is
+2 GiB + 256 MiB = 2.25 GiB per cache. Every TP rank
 computes the same hidden states and holds the same number of KV blocks, so a TP=8 worker group
 that built one cache per rank would pin 18 GiB of host memory for rows only one rank returns;
 building it on the output rank alone pins 2.25 GiB. Other ranks skip all three call sites.
