@@ -45,8 +45,9 @@ already includes the steps still in flight, which is where the runner places thi
 
 vLLM 0.33 registers a prompt's full blocks in its prefix cache when it allocates them, so a
 request scheduled later in the same step can hit blocks another request computes in that very
-step (with three 48-token prompts shared by six requests, the first step already did). The
-cache serves those rows from the producer of the same step.
+step (with three 48-token prompts shared by six requests and a 128-token step budget, a
+request admitted in the second step hit a block its neighbour's prefill chunk was computing in
+that step). The cache serves those rows from the producer of the same step.
 
 Async scheduling
 ----------------
