@@ -272,6 +272,7 @@ class _Step:
         "consume_deadline_ns",
         "consuming",
         "entries",
+        "handed",
         "hi",
         "hit_rows",
         "keys",
@@ -318,6 +319,9 @@ class _Step:
         self.hi = hi
         self.consuming = False
         self.consume_deadline_ns: int | None = None
+        #: While a materialize consumes it: the entries it delivered to, their cursors before
+        #: and after (a failed build puts them back: D19).
+        self.handed: tuple[npt.NDArray[np.int64], ...] | None = None
 
 
 class _PendingSave:
@@ -1083,6 +1087,7 @@ class CacheCore:
         step.consuming = True
         step.consume_deadline_ns = None
         start, end, skip = self._admissions.deliver(entries, cursor, lo, hi)
+        step.handed = (entries, cursor, end)
         self.counters.steps_consumed += 1
         if whole and step.hit_rows is not None:
             self.counters.hit_rows += step.hit_rows
@@ -1143,6 +1148,9 @@ class CacheCore:
     def consume_end(self, inp: ConsumeEnd) -> None:
         """Release a materialized step's page and drop its reads (D5).
 
+        With ``delivered=False`` the outputs never reached the caller: each delivery cursor the
+        consume moved goes back, unless another consume moved it on since (D19).
+
         Raises:
             BadInputError: The step is not being consumed; the cache is unchanged.
         """
@@ -1153,6 +1161,11 @@ class CacheCore:
                 expected="a step whose consume began",
                 got="no such consume",
             )
+        if not inp.delivered and step.handed is not None:
+            entries, before, after = step.handed
+            cursor = self._admissions.cursor
+            back = cursor[entries] == after
+            cursor[entries[back]] = before[back]
         self._end_step(step)
 
     def shut_down(self, inp: ShutDown) -> None:
@@ -1220,6 +1233,7 @@ class CacheCore:
                     s.keys,
                     s.tid,
                     s.consuming,
+                    None if s.handed is None else tuple(tuple(a.tolist()) for a in s.handed[1:]),
                     s.consume_deadline_ns,
                     tuple(
                         (r, tuple(x.plan.read_id for x in rs)) for r, rs in sorted(s.reads.items())
@@ -1386,6 +1400,9 @@ class CacheCore:
         need(self._preempted <= self._live.keys(), "a preempted request that is not live")
         need(not (self._preempted & self._start_hits.keys()), "a hit of a preempted request")
         for step in self._steps.values():
+            need(
+                step.handed is None or step.consuming, f"step {step.step_id}: handed, not consumed"
+            )
             need(
                 len(step.entries) == len(step.req_ids) == len(step.lo) == len(step.hi)
                 and bool((step.lo <= step.hi).all()),

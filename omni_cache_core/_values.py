@@ -168,9 +168,14 @@ class ConsumeBegin:
 
 @attrs.frozen(kw_only=True)
 class ConsumeEnd:
-    """The reads of a consumed step are done: release its page and drop its reads."""
+    """The reads of a consumed step are done: release its page and drop its reads.
+
+    ``delivered=False``: the adapter could not build the outputs (a gather failed), so nothing
+    reached the caller and the delivery cursors the consume moved go back (D19).
+    """
 
     step_id: StepId
+    delivered: bool = True
 
 
 @attrs.frozen(kw_only=True)

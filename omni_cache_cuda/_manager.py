@@ -1059,7 +1059,8 @@ class OmniPrefixCacheManager:
             UnknownStepError: The id was never issued; the cache is unchanged (STEP-2).
             StepAlreadyConsumedError: The id was consumed; the cache is unchanged (STEP-2).
             BadInputError: A request outside the step's layout (STEP-4); the step is consumed.
-            HitUnreadableError: A hit cannot be served (HIT-4, HIT-6); the step is consumed.
+            HitUnreadableError: A hit cannot be served (HIT-4, HIT-6), or its gather failed
+                (D19); the step is consumed and nothing was delivered.
             WaitTimeoutError: A write a hit reads did not land in time; the step is consumed.
             WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
             ShutDownError: The cache is shut down.
@@ -1077,8 +1078,11 @@ class OmniPrefixCacheManager:
                 got="a str" if isinstance(req_ids, str) else type(req_ids).__name__,
             ) from None
         plan, ctx, records = self._consume(step_id, wanted)
+        delivered = False
         try:
-            return self._build(plan, ctx, records, wanted)
+            out = self._build(plan, ctx, records, wanted)
+            delivered = True
+            return out
         except Exception as exc:
             if self._closed and not isinstance(exc, OmniPrefixCacheUnmatchError):
                 # The cache shut down while this materialize was reading (FAIL-4).
@@ -1086,7 +1090,8 @@ class OmniPrefixCacheManager:
             raise
         finally:
             with self._lock:
-                self._core.consume_end(ConsumeEnd(step_id=step_id))
+                # D19: outputs that never reached the caller were not delivered.
+                self._core.consume_end(ConsumeEnd(step_id=step_id, delivered=delivered))
                 self._forget_step(step_id)
             self._signal.bump()  # a page may be free now
 

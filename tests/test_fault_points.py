@@ -222,9 +222,9 @@ def test_gather_fault_fails_that_materialize_only(make: Make, point: str) -> Non
     manager = make()
     hook = OneShot()
     manager._inject_fault(point, hook)
-    _, saved = _hit_step(manager)
+    engine, saved = _hit_step(manager)
     with pytest.raises(HitUnreadableError) as caught:
-        bounded(lambda: manager.materialize(saved.step_id, ["b"]))
+        bounded(lambda: engine.materialize(saved))
     assert hook.fired == 1
     assert caught.value.req_id == "b"
     assert "InjectedFault" in caught.value.reason
@@ -234,6 +234,12 @@ def test_gather_fault_fails_that_materialize_only(make: Make, point: str) -> Non
     assert stats.pages_in_use == 0
     assert stats.writes_failed == 0
     assert not manager._reads, "read records of the failed materialize kept"
+    # Nothing was delivered (D19): b's cursor is back at 0, so a resume hit serves its prefix.
+    engine.preempt("b")
+    manager.discard_step(bounded(lambda: engine.step({}, emit=(MM,))).step_id)
+    engine.resume("b", [0, 1, 3], hit_end=8)
+    out = engine.materialize(bounded(lambda: engine.step({"b": 1}, emit=(MM,))))
+    assert out.positions["b"] == (0, 9)
     usable(manager)
 
 
