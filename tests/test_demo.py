@@ -414,5 +414,5 @@ def test_demo_verbose_prints_the_cache_log_lines(capsys):
     err = capsys.readouterr().err
     assert "[omni_cache INFO] cache " in err
     assert "allocated immediate key '__hidden_states__'" in err
-    assert "shut down with 0 open step ids" in err
+    assert "shut down; step ids still open: none; writes not landed (tids): none" in err
     assert (logger.level, logger.handlers) == (level, handlers)
