@@ -52,6 +52,7 @@ from omni_cache_cuda import (
     HIDDEN_KEY,
     CacheStats,
     DeliveryOrderError,
+    HostAllocationError,
     ModelCachePolicy,
     OmniPrefixCacheManager,
     OmniPrefixCacheUnmatchError,
@@ -61,6 +62,7 @@ from omni_cache_cuda import (
     PrefixCacheStep,
     PrefixCacheWriteLayout,
     StageCacheOutputs,
+    StagingCopyError,
     UnknownStepError,
 )
 
@@ -1157,6 +1159,10 @@ class Workload:
         self.waiting: dict[str, _Live] = {}  # preempted, oldest first
         self.counts = WorkloadCounts()
         self.errors: list[str] = []
+        #: Saves that failed with no trace (a fault: D19); their steps' requests were aborted.
+        self.failed_saves: list[BaseException] = []
+        #: (hash, block) pairs the current step registered, dropped again if its save fails.
+        self._registered: list[tuple[int, int]] = []
         self.outputs: list[tuple[int, dict[str, Any]]] = []
         self._next_req = 0
         self._next_token = 1_000_000
@@ -1343,6 +1349,7 @@ class Workload:
             if key not in self.hash_block:
                 self.hash_block[key] = block
                 self.block_hash[block] = key
+                self._registered.append((key, block))
         for pos in range(computed, computed + count):
             self.written[state.blocks[pos // size]] = True
 
@@ -1352,6 +1359,7 @@ class Workload:
         engine = self.engine
         ended = self._end_requests()
         self._producing = set()
+        self._registered = []
         if self.preempt_p:
             self._preempt()
         schedule: dict[str, int] = {}
@@ -1386,7 +1394,11 @@ class Workload:
         if resumed:
             exact = seq % 2 == 0 and cursors == [engine.cursor(req) for req, _ in resumed]
             self._classify(resumed, cursors, exact and engine.consume_seq == seq)
-        saved = engine.save(emit=emit)
+        try:
+            saved = engine.save(emit=emit)
+        except (StagingCopyError, HostAllocationError) as exc:
+            self._failed_save(schedule, exc)
+            return
         self.counts.steps += 1
         subset: list[str] | None = None
         discard = rng.random() < self.discard_p
@@ -1402,6 +1414,21 @@ class Workload:
             self._consume(item)
         if self.check_pool_every and self.counts.steps % self.check_pool_every == 0:
             self.errors.extend(pool_mismatches(engine.m, engine.oracle))
+
+    def _failed_save(self, schedule: Mapping[str, int], exc: BaseException) -> None:
+        """A save failed with no trace (STEP-5): as after a failed forward, publish none of the
+        step's blocks and abort its requests (D6, D10)."""
+        self.failed_saves.append(exc)
+        for key, block in self._registered:
+            if self.hash_block.get(key) == block:
+                del self.hash_block[key]
+                self.block_hash.pop(block, None)
+        for req in schedule:
+            state = self.live.pop(req, None)
+            if state is not None:
+                self.engine.finish(req, abort=True)
+                self._release(state.blocks)
+                self.counts.aborts += 1
 
     def _classify(
         self, resumed: list[tuple[str, int]], cursors: list[int | None], exact: bool
@@ -1476,6 +1503,14 @@ class Workload:
                 self._take(item)
             finally:
                 self._queue.task_done()
+
+    def stop(self) -> None:
+        """Stop the builder thread, consuming only what it was handed (a cache that failed)."""
+        self._late = []
+        if self._builder is not None:
+            self._queue.put(None)
+            self._builder.join(60)
+            assert not self._builder.is_alive(), "the output builder did not stop"
 
     def close(self) -> None:
         """Consume what is left, stop the builder thread, check every admission's delivery."""

@@ -13,13 +13,22 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from omni_cache_cuda import OmniPrefixCacheManager
-from tests.adapter_helpers import Engine, settle
+import pytest
+import torch
+
+from omni_cache_cuda import (
+    OmniPrefixCacheManager,
+    PrefixCacheStep,
+    PrefixCacheWriteLayout,
+    WriteFailedError,
+)
+from tests.adapter_helpers import Engine, policy, settle
 
 __all__ = [
     "HANG_S",
     "InjectedFault",
     "OneShot",
+    "assert_sticky",
     "bounded",
     "library_threads",
     "usable",
@@ -76,6 +85,32 @@ def bounded(call: Callable[[], T], what: str = "call") -> T:
 def library_threads() -> list[str]:
     """Names of the library's threads still alive."""
     return [t.name for t in threading.enumerate() if t.name.startswith("omni-prefix-cache")]
+
+
+def assert_sticky(manager: OmniPrefixCacheManager, tids: tuple[int, ...]) -> None:
+    """FAIL-1: every later call raises the same WriteFailedError; stats still work."""
+    layout = PrefixCacheWriteLayout([], torch.zeros(0, dtype=torch.int64))
+    calls: list[Callable[[], Any]] = [
+        lambda: manager.new_step_starts(PrefixCacheStep()),
+        lambda: manager.save_outputs(None, {}, num_tokens_unpadded=0, write_layout=layout),
+        lambda: manager.materialize(1, []),
+        lambda: manager.discard_step(1),
+        lambda: manager.register_policy(policy()),
+        lambda: manager.reserve({"codes.more": (2, torch.float32)}),
+    ]
+    for call in calls:
+        with pytest.raises(WriteFailedError) as caught:
+            bounded(call)
+        assert caught.value.tids == tids
+    stats = manager.stats()
+    assert stats.writes_failed == 1
+    # FAIL-1: the failed write gave back its page and its budget; open steps keep theirs.
+    with manager._lock:
+        assert stats.pages_in_use == len(manager._core.open_step_ids)
+        assert not manager._core._tasks or all(
+            t.tid not in tids for t in manager._core._tasks.values()
+        )
+        manager._core.check_invariants()
 
 
 def usable(manager: OmniPrefixCacheManager, blocks: tuple[int, int, int] = (13, 14, 15)) -> None:

@@ -24,10 +24,19 @@ import torch
 
 from omni_cache_core import TensorName, Tid
 from omni_cache_core._values import WriteFailed, WriteLanded
-from omni_cache_cuda import OmniPrefixCacheManager, StepAlreadyConsumedError, WaitTimeoutError
+from omni_cache_cuda import (
+    HitUnreadableError,
+    HostAllocationError,
+    OmniPrefixCacheManager,
+    StagingCopyError,
+    StepAlreadyConsumedError,
+    WaitTimeoutError,
+    WriteFailedError,
+)
 from omni_cache_cuda._committer import Chunk, Committer, Signal, WriteJob
 from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
 from tests.adapter_helpers import Engine, Workload, make_manager, settle, wait_for
+from tests.reliability_helpers import OneShot, assert_sticky, bounded, library_threads
 
 #: Engine steps per run: enough for hundreds of hits, recycled blocks and budget flushes.
 STEPS = 2000
@@ -343,3 +352,90 @@ def _bare_committer() -> tuple[HostPool, collections.deque[Any], Committer]:
 def _raise_if(condition: bool) -> None:
     if condition:
         raise RuntimeError("injected pool write failure")
+
+
+#: Each fault point and the error it ends in (D19); the committer's are sticky (FAIL-1).
+FAULTS: dict[str, type[BaseException]] = {
+    "alloc": HostAllocationError,
+    "pin": HostAllocationError,
+    "page_copy": StagingCopyError,
+    "prefetch": HitUnreadableError,
+    "gather": HitUnreadableError,
+    "host_ready": WriteFailedError,
+    "deferred_piece": WriteFailedError,
+    "pool_write": WriteFailedError,
+}
+
+
+@pytest.mark.parametrize("point", sorted(FAULTS))
+def test_a_fault_at_each_point_under_the_busy_workload(point: str) -> None:
+    """One fault at each point of the adapter's work, in the preempting workload with a late
+    builder thread, ends in its typed error: the committer's fail the write for good (FAIL-1),
+    the others fail only their call (D19). Every row served before and after is exact, no call
+    hangs, and no page or thread is left behind (FAIL-3, FAIL-4)."""
+    error = FAULTS[point]
+    sticky = error is WriteFailedError
+    manager = make_manager(True, **BUSY_CACHE)
+    engine = Engine(manager)
+    # A gather fault must reach a materialize: no step is discarded or read in part.
+    reads_all = point in ("prefetch", "gather")
+    workload = Workload(
+        engine,
+        seed=20240611,
+        max_lag=MAX_LAG,
+        check_pool_every=25,
+        discard_p=0.0 if reads_all else 0.08,
+        subset_p=0.0 if reads_all else 0.15,
+        **PREEMPTING,
+    )
+    hook = OneShot()
+    pinning = point == "pin"  # a CPU build cannot pin: the hook refuses first
+
+    def arm(on: bool) -> None:
+        manager._pool.pin = manager._pages.pin = on and pinning
+        manager._inject_fault(point, hook if on else None)
+
+    # Storage is allocated at a key's first save; every other point is hit mid-run.
+    arm_at = 0 if point in ("alloc", "pin") else 60
+    failed: list[BaseException] = []
+    steps = 0
+    while steps < 400:
+        if steps == arm_at:
+            arm(True)
+        try:
+            bounded(workload.step, "a step")
+        except WriteFailedError as exc:
+            failed.append(exc)
+            break
+        steps += 1
+        if workload.failed_saves:
+            arm(False)
+        expected = workload.failed_saves or [e for e in workload.errors if error.__name__ in e]
+        if hook.fired and (expected or failed) and steps >= arm_at + 60:
+            break
+    arm(False)
+    assert hook.fired == 1, f"the {point} fault never fired"
+    if sticky:
+        if not failed:  # the builder saw it first; the engine's next call raises it too
+            with pytest.raises(WriteFailedError) as caught:
+                bounded(workload.step, "a step")
+            failed.append(caught.value)
+        assert_sticky(manager, failed[0].tids)  # type: ignore[attr-defined]
+        workload.stop()
+        late = [e for e in workload.errors if "WriteFailedError" not in e]
+        assert not late, late[:3]  # before the failure: every row exact
+    else:
+        workload.close()
+        if workload.failed_saves:
+            assert all(isinstance(e, error) for e in workload.failed_saves), workload.failed_saves
+        others = [e for e in workload.errors if not (error.__name__ in e and "Injected" in e)]
+        assert not others, others[:3]
+        assert workload.failed_saves or len(workload.errors) == 1, workload.errors
+        stats = settle(manager)
+        assert stats.pages_in_use == 0 and stats.writes_failed == 0
+        with manager._lock:
+            manager._core.check_invariants()
+        assert workload.counts.materialized > 50
+    manager.shutdown()
+    assert not library_threads(), library_threads()
+    assert not manager._pool.tensors and not manager._jobs and not manager._steps

@@ -24,15 +24,13 @@ from omni_cache_cuda import (
     HitUnreadableError,
     HostAllocationError,
     OmniPrefixCacheManager,
-    PrefixCacheStep,
-    PrefixCacheWriteLayout,
     StagingCopyError,
     StepAlreadyConsumedError,
     WriteFailedError,
 )
 from omni_cache_cuda._faults import FAULT_POINTS
-from tests.adapter_helpers import DEF, MM, Engine, make_manager, policy, settle
-from tests.reliability_helpers import OneShot, bounded, library_threads, usable
+from tests.adapter_helpers import DEF, MM, Engine, make_manager, settle
+from tests.reliability_helpers import OneShot, assert_sticky, bounded, library_threads, usable
 
 Make = Callable[..., OmniPrefixCacheManager]
 
@@ -67,32 +65,6 @@ def _warm(manager: OmniPrefixCacheManager, emit: tuple[str, ...] = (MM,)) -> Eng
     engine.materialize(bounded(lambda: engine.step({"a": 4}, emit=emit)))
     settle(manager)
     return engine
-
-
-def _assert_sticky(manager: OmniPrefixCacheManager, tids: tuple[int, ...]) -> None:
-    """FAIL-1: every later call raises the same WriteFailedError; stats still work."""
-    layout = PrefixCacheWriteLayout([], torch.zeros(0, dtype=torch.int64))
-    calls: list[Callable[[], Any]] = [
-        lambda: manager.new_step_starts(PrefixCacheStep()),
-        lambda: manager.save_outputs(None, {}, num_tokens_unpadded=0, write_layout=layout),
-        lambda: manager.materialize(1, []),
-        lambda: manager.discard_step(1),
-        lambda: manager.register_policy(policy()),
-        lambda: manager.reserve({"codes.more": (2, torch.float32)}),
-    ]
-    for call in calls:
-        with pytest.raises(WriteFailedError) as caught:
-            bounded(call)
-        assert caught.value.tids == tids
-    stats = manager.stats()
-    assert stats.writes_failed == 1
-    # FAIL-1: the failed write gave back its page and its budget; open steps keep theirs.
-    with manager._lock:
-        assert stats.pages_in_use == len(manager._core.open_step_ids)
-        assert not manager._core._tasks or all(
-            t.tid not in tids for t in manager._core._tasks.values()
-        )
-        manager._core.check_invariants()
 
 
 def test_every_fault_point_is_named() -> None:
@@ -180,7 +152,7 @@ def test_committer_fault_fails_the_write_for_good(make: Make, point: str, target
     if point == "deferred_piece":
         _, key, start, stop = fired[0]
         assert key == DEF and stop - start == 2  # BUDGET-3: pieces of copy_chunk_bytes
-    _assert_sticky(manager, caught.value.tids)
+    assert_sticky(manager, caught.value.tids)
     if target == "deferred":
         # BUDGET-1: the failed write's clone is uncharged; a had no other write open.
         assert manager.stats().budget_bytes_in_use == 0
