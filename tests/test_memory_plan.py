@@ -8,6 +8,7 @@ with a committer thread on the CPU (nothing is pinned there; tests/gpu checks th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,9 @@ from omni_cache_cuda import (
     HIDDEN_KEY,
     BadInputError,
     HostBytes,
+    ModelCachePolicy,
     OmniPrefixCacheManager,
+    PrefixCacheConfig,
     ShutDownError,
 )
 from tests.adapter_helpers import DEF, MM, Engine, make_manager, settle
@@ -154,3 +157,30 @@ def test_reserve_after_shutdown_raises(make: Make) -> None:
     with pytest.raises(ShutDownError):
         manager.reserve({"": (0, "x")})  # type: ignore[dict-item]
     assert manager.host_bytes({MM: (3, torch.float32)})[MM].pool == 64 * 12
+
+
+def test_the_readme_host_memory_figures_are_host_bytes() -> None:
+    """The README's example of host memory is what `host_bytes` says for that configuration."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Host memory", 1)[1].split("\n## ", 1)[0]
+    config = PrefixCacheConfig(num_blocks=65536, block_size=16, staging_capacity_tokens=8192)
+    with OmniPrefixCacheManager(
+        config, policy=ModelCachePolicy(deferred_keys={"codes.audio"}), device="cpu"
+    ) as manager:
+        plan = manager.host_bytes(
+            {
+                HIDDEN_KEY: (3584, torch.bfloat16),
+                "talker.h": (896, torch.bfloat16),
+                "codes.audio": (8, torch.int64),
+            }
+        )
+    gib, mib = 2**30, 2**20
+    hidden, talker, codes = plan[HIDDEN_KEY], plan["talker.h"], plan["codes.audio"]
+    assert (hidden.pool / gib, hidden.pages / mib, hidden.occupancy / mib) == (7.0, 224, 8)
+    assert f"| {hidden.total / gib:.2f} GiB |" in section
+    assert (talker.pool / gib, talker.pages / mib) == (1.75, 56)
+    assert f"| {talker.total / gib:.2f} GiB |" in section
+    assert (codes.pool / mib, codes.pages, codes.total / mib) == (64, 0, 72)
+    total = sum(p.total for p in plan.values()) / gib
+    assert f"| {total:.2f} GiB pinned |" in section
+    assert manager.stats().pool_bytes == 0
