@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,8 +10,6 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-
-import omni_cache_cuda.vllm
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BS = 4
@@ -91,7 +90,8 @@ def _output(
 
 
 def test_readme_vllm_example_serves_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(omni_cache_cuda.vllm, "should_build_prefix_cache", lambda: True)
+    module = importlib.import_module("omni_cache_cuda.vllm")  # what the example's import finds
+    monkeypatch.setattr(module, "should_build_prefix_cache", lambda: True)
     namespace: dict[str, Any] = {"GPUModelRunner": GPUModelRunner, "StepOutput": StepOutput}
     exec(compile(_example_source(), str(README), "exec"), namespace)
     runner = namespace["PrefixCachedRunner"]()

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import omni_cache_cuda
 from omni_cache_cuda import (
     BadInputError,
     ConfigError,
@@ -105,6 +106,8 @@ def test_the_module_imports_without_vllm(monkeypatch: pytest.MonkeyPatch) -> Non
     for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.delitem(sys.modules, "omni_cache_cuda.vllm")
+    # The fresh import below rebinds the package attribute too; put it back afterwards.
+    monkeypatch.setattr(omni_cache_cuda, "vllm", sys.modules["omni_cache_cuda"].vllm)
     monkeypatch.setattr(sys, "meta_path", [NoVllm(), *sys.meta_path])
     module = importlib.import_module("omni_cache_cuda.vllm")
     assert not any(n == "vllm" or n.startswith("vllm.") for n in sys.modules)
