@@ -163,7 +163,7 @@ mtype = { hit4, hit6, failed };
 hidden byte STEP_1, STEP_2, STEP_5, PAGE_2, PAGE_3, SLOT_2, SLOT_3, SLOT_4;
 hidden byte TASK_1, TASK_2, TASK_3, TASK_6, BUDGET_1, HIT_4, HIT_5, HIT_6;
 hidden byte FAIL_1, FAIL_3, MODEL_BOUND, REACHED;
-hidden byte LIFE_1, LIFE_2, LIFE_3, DLV_1, DLV_2, DLV_3, DLV_4, DLV_5, DLV_6;
+hidden byte LIFE_1, LIFE_2, LIFE_3, DLV_1, DLV_2, DLV_3, DLV_5, DLV_6;
 #define CHECK(rule, c) assert(rule || (c))
 
 /* Reachability probes: with -DPROBES every probe is an assertion that
@@ -283,8 +283,8 @@ byte g_wc[(MAXSTEP + 1) * NSLOT];
 byte a_tok[NADM * 2];             /* values of positions 0, 1 inherited from a hit */
 byte g_dl[NADM];                  /* positions delivered (DLV-2), a mask */
 byte g_top[NADM];                 /* positions saved so far: [0, g_top) */
-bool g_skip[NADM];                /* a step carrying undelivered positions of it was
-                                   * discarded or failed (DLV-4) */
+byte g_lost[NADM];                /* positions not yet delivered that a discarded or
+                                   * failed step carried (DLV-4), a mask */
 #define TRUTH(a, p) ((p) < 2 && a_tok[(a) * 2 + (p)] != 0 -> a_tok[(a) * 2 + (p)] : (a) * 4 + (p))
 #define CONT(s) (gt0[s] == 0 -> 0 : g_wc[gt0[s] * NSLOT + (s)])
 
@@ -307,6 +307,7 @@ bool comm_done;
 /* Temporaries, only used inside atomic sequences that cannot block. */
 hidden byte dt, ds, dk, co, ce, qi, uk, bk, bsum, pe, px, fb, fq, fn, cs1, sv0, sv1, sv2;
 hidden byte da, dr, dlo, dhi, dst, den, dp, dsh, og, cres;
+hidden byte oq, oe, olo, ohi;     /* a refusal: request, earlier step, gap (DLV-5) */
 
 /* ---------------------------------------------------------- helpers */
 
@@ -835,8 +836,9 @@ inline maybe_start(K, r, n, hb) {
 }
 
 /* An admission that has ended and that no unconsumed step carries is gone:
- * every position it saved was delivered exactly once, unless a step that
- * carried some was discarded or failed (DLV-2, DLV-4). Its data is forgotten. */
+ * every position it saved was delivered exactly once, except those a
+ * discarded or failed step carried before they were delivered (DLV-2,
+ * DLV-4). Its data is forgotten. */
 #define CARRIED(a) (s_adm[SR(1, 0)] == (a) || s_adm[SR(1, 1)] == (a) || \
                     s_adm[SR(2, 0)] == (a) || s_adm[SR(2, 1)] == (a) || \
                     s_adm[SR(3, 0)] == (a) || s_adm[SR(3, 1)] == (a) || \
@@ -844,8 +846,8 @@ inline maybe_start(K, r, n, hb) {
 inline retire(a) {
   if
   :: a != 0 && e_adm[0] != a && e_adm[1] != a && !CARRIED(a) ->
-     CHECK(DLV_2, g_skip[a] || g_dl[a] == BIT(g_top[a]) - 1);
-     a_c[a] = 0; a_d[a] = 0; g_dl[a] = 0; g_top[a] = 0; g_skip[a] = 0;
+     CHECK(DLV_2, ((g_dl[a] | g_lost[a]) & (BIT(g_top[a]) - 1)) == BIT(g_top[a]) - 1);
+     a_c[a] = 0; a_d[a] = 0; g_dl[a] = 0; g_top[a] = 0; g_lost[a] = 0;
      a_tok[a * 2] = 0; a_tok[a * 2 + 1] = 0
   :: else -> skip
   fi
@@ -1489,8 +1491,9 @@ inline end_consume(K, e, err) {
   CHECK(STEP_1, s_st[K] == S_TAKEN);
   s_st[K] = S_CONSUMED; nopen--;
   /* DLV-4: a discard or a failed consume delivers nothing and moves no
-   * cursor. The step's delivery records go, and with them perhaps the last
-   * trace of an ended admission. */
+   * cursor; the positions it carried that were not delivered yet may be
+   * passed over later. The step's delivery records go, and with them
+   * perhaps the last trace of an ended admission. */
   dr = 0;
   do
   :: dr < NREQ ->
@@ -1498,7 +1501,8 @@ inline end_consume(K, e, err) {
      if
      :: da != 0 ->
         if
-        :: err != W_OK && s_hi[SR(K, dr)] > a_d[da] -> g_skip[da] = 1
+        :: err != W_OK && s_hi[SR(K, dr)] > a_d[da] ->
+           g_lost[da] = g_lost[da] | (BIT(s_hi[SR(K, dr)]) - BIT(MAX(s_lo[SR(K, dr)], a_d[da])))
         :: else -> skip
         fi;
         s_adm[SR(K, dr)] = 0; s_lo[SR(K, dr)] = 0; s_hi[SR(K, dr)] = 0;
@@ -1533,29 +1537,41 @@ inline end_consume(K, e, err) {
   K = 0; e = 0; err = 0
 }
 
-/* DLV-5: would a materialize of step K hand a request positions above a gap
- * that an earlier unconsumed step of the same admission carries? */
+/* DLV-5: a request owes rows to step k while k is unconsumed and carries
+ * positions of it not yet delivered. A materialize of step K is refused when,
+ * for a request whose cursor it would move (hand it rows, or pass over
+ * positions, DLV-4: hi > d), an earlier step of the same admission still
+ * owes it rows. The error names the first earlier step (by id) and in it the
+ * first such request, and the positions it owes: [max(lo, d), hi). */
+#define OWES(k, r, a) (s_st[k] == S_OPEN && s_adm[SR(k, r)] == (a) && \
+                       s_hi[SR(k, r)] > MAX(s_lo[SR(k, r)], a_d[a]))
 inline order_gap(K) {
   d_step {
-  og = 0; dr = 0;
+  og = 0; dp = 1;
   do
-  :: dr < NREQ ->
-     da = s_adm[SR(K, dr)];
-     if
-     :: da != 0 && s_lo[SR(K, dr)] > a_d[da] ->
-        dp = 1;
-        do
-        :: dp < K ->
+  :: dp < K && og == 0 ->
+     dr = 0;
+     do
+     :: dr < NREQ && og == 0 ->
+        da = s_adm[SR(K, dr)];
+        if
+        :: da != 0 && s_hi[SR(K, dr)] > a_d[da] && OWES(dp, dr, da) ->
+           og = 1; oq = dr; oe = dp;
+           olo = MAX(s_lo[SR(dp, dr)], a_d[da]); ohi = s_hi[SR(dp, dr)];
+           /* A rule that refused only steps whose range starts above the
+            * cursor would let this one through: it starts at or below it,
+            * which only a resume gives (a later step recomputing positions an
+            * earlier one still owes). */
            if
-           :: s_st[dp] == S_OPEN && s_adm[SR(dp, dr)] == da && s_hi[SR(dp, dr)] > a_d[da] -> og = 1
+           :: s_lo[SR(K, dr)] <= a_d[da] -> og = 2
            :: else -> skip
-           fi;
-           dp++
-        :: else -> break
-        od
-     :: else -> skip
-     fi;
-     dr++
+           fi
+        :: else -> skip
+        fi;
+        dr++
+     :: else -> break
+     od;
+     dp++
   :: else -> break
   od;
   dr = 0; da = 0; dp = 0
@@ -1564,10 +1580,12 @@ inline order_gap(K) {
 
 /* DLV-2: the materialize of step K hands each of its requests the positions
  * [max(lo, d), hi) and moves the cursor d to hi. The ghost checks each
- * position is handed out once per admission and in order, that nothing
- * below the cursor is left out except after a discard or a failure (DLV-4),
- * and that no gap an unconsumed earlier step carries is passed over (DLV-5).
- * DLV-7: the positions are printed for the consumer. */
+ * position is handed out once per admission and in order, and that nothing
+ * below the cursor is left out but what a discarded or failed step carried
+ * (DLV-4). DLV-5: no cursor moves while an earlier step of the admission
+ * still owes the request rows, and the only positions passed over are those
+ * a discarded or failed step carried. DLV-7: the positions are printed for
+ * the consumer. */
 inline deliver(K) {
   d_step {
   dr = 0;
@@ -1581,12 +1599,11 @@ inline deliver(K) {
         dp = 1;
         do
         :: dp < K ->
-           CHECK(DLV_5, dst <= a_d[da] || s_st[dp] != S_OPEN || s_adm[SR(dp, dr)] != da ||
-                        s_hi[SR(dp, dr)] <= a_d[da]);
+           CHECK(DLV_5, dhi <= a_d[da] || !OWES(dp, dr, da));
            dp++
         :: else -> break
         od;
-        CHECK(DLV_4, dst <= a_d[da] || g_skip[da]);
+        CHECK(DLV_5, ((BIT(dst) - BIT(a_d[da])) & ~g_lost[da]) == 0);
         if
         :: dst > a_d[da] -> REACH(29)              /* positions passed over after a discard */
         :: else -> skip
@@ -1606,7 +1623,7 @@ inline deliver(K) {
         :: else -> break
         od;
         a_d[da] = MAX(a_d[da], dhi);
-        CHECK(DLV_2, g_skip[da] || g_dl[da] == BIT(a_d[da]) - 1);
+        CHECK(DLV_2, ((g_dl[da] | g_lost[da]) & (BIT(a_d[da]) - 1)) == BIT(a_d[da]) - 1);
         printf("ACT deliver step=%d req=%d start=%d end=%d\n", K, dr, dst, den)
      :: else -> skip
      fi;
@@ -1670,13 +1687,19 @@ proctype Builder() {
              og = 0;
 #endif
              if
-             :: og ->
+             :: og != 0 ->
                 /* DLV-5: refused; nothing changes and the step stays open. */
-                og = 0; err = W_ORDER;
-                printf("ACT materialize step=%d -> error=order\n", K);
+                err = W_ORDER;
+                printf("ACT materialize step=%d req=%d earlier=%d start=%d end=%d -> error=order\n",
+                       K, oq, oe, olo, ohi);
                 CHECK(DLV_5, s_st[K] == S_OPEN && pg_step[s_page[K]] == K);
                 s_ref = s_ref | BIT(K);
-                REACH(23)
+                REACH(23);
+                if
+                :: og == 2 -> REACH(33)   /* a step after a resume waits for an older one */
+                :: else -> skip
+                fi;
+                og = 0; oq = 0; oe = 0; olo = 0; ohi = 0
              :: else ->
                 s_st[K] = S_TAKEN;
                 printf("ACT materialize step=%d -> ok\n", K)

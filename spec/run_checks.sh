@@ -24,7 +24,7 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/omni-spin.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
 # -O0: pan.c for this model is large, and an optimised build takes longer
-# than the searches it would speed up. COLLAPSE compresses the 524-byte state
+# than the searches it would speed up. COLLAPSE compresses the 532-byte state
 # vector about twofold and keeps the search exhaustive.
 CFLAGS_SAFETY="-O0 -DSAFETY -DNOCLAIM -DCOLLAPSE -DMEMLIM=2048"
 CFLAGS_LIVE="-O0 -DCOLLAPSE -DNFAIR=3 -DMEMLIM=2048"
@@ -38,7 +38,7 @@ LIVE_DEFS="-DSTARTS=2 -DPREEMPTS=0"
 LIVE_RESUME_DEFS="-DSTARTS=1"
 # Reachability probes each configuration must produce (REACH(k) in the model).
 PROBES_BASE="1 2 3 4 5 6 7 8 9 10 11 13 14 15 16 17 18 19 20 21 22 23 29 32"
-PROBES_RESUME="1 2 3 4 5 7 8 9 10 11 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32"
+PROBES_RESUME="1 2 3 4 5 7 8 9 10 11 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33"
 
 # name | kind | spin -D flags | claim (reach: the probes)
 CHECKS=(

@@ -146,6 +146,8 @@ def test_the_vocabulary_check_rejects_a_stray_line() -> None:
     """The line check refuses an unknown action, an undocumented field and an undocumented outcome."""
     vocabulary = documented_vocabulary()
     assert check_line("ACT save step=1 page=0 tid=1 d0=2 d1=0 -> ok", vocabulary) == "save"
+    refused = "ACT materialize step=3 req=0 earlier=2 start=0 end=2 -> error=order"
+    assert check_line(refused, vocabulary) == "materialize"
     for bad in (
         "ACT evict step=1",
         "ACT save step=1 slot=3 -> ok",
