@@ -728,6 +728,17 @@ class Replay:
                 err.step_id != step.step or err.req_id not in step.req_ids
             ):
                 raise Disagreement(f"model: step {step.step} refused; core: {err}")
+            # The request, the earlier step that owes it rows and those positions (traces
+            # committed before the model printed them lack the fields).
+            if isinstance(err, omni_cache_core.DeliveryOrderError) and "earlier" in act.args:
+                want = (act.args["req"], act.num("earlier"), (act.num("start"), act.num("end")))
+                got = (err.req_id, err.earlier_step_id, err.gap)
+                if got != want:
+                    raise Disagreement(
+                        f"step {step.step} refused: model (req, earlier step, gap) {want}; "
+                        f"core {got}"
+                    )
+                self.checked["order:gap"] += 1
             if self.core.fatal is None and not self.core.has_step(StepId(step.step)):
                 raise Disagreement(f"the refused step {step.step} is no longer open in the core")
             step.consume = None
