@@ -18,23 +18,27 @@ Pieces
 - `ReferenceModel` is written differently from the core on purpose: it keeps an append-only
   history of the saves that succeeded and answers every query by replaying that history (the
   newest value of a (slot, key) as of a step's save, explicit absence, HIT-4, HIT-5), plus which
-  step ids are open and which error a call must raise.
+  step ids are open and which error a call must raise. Per admission of a request it keeps its
+  next position, its delivery cursor and the positions handed out (LIFE, DLV): which positions a
+  materialize hands out, which rows are cut below the cursor, and when one is refused (DLV-5).
 - `CacheMachine` is a hypothesis `RuleBasedStateMachine` that drives a driver and the model side
-  by side and compares every materialize row by row.
+  by side and compares every materialize row by row and position by position.
 
 Driver interface
 ----------------
 A driver is anything with the methods of `CacheDriver`. The machine only talks to it through:
 
-- ``start(events)``: one `new_step_starts` with these lifecycle records (finishes, aborts and
-  starts, with or without hits). Raises what the cache raises.
+- ``start(events)``: one `new_step_starts` with these lifecycle records (finishes, aborts,
+  preemptions, resumes and starts, with or without hits). Raises what the cache raises.
 - ``save(spec, *, stall=False, on_page_wait=None) -> StepId``: one `save_outputs` of `SaveSpec`
   (requests in batch order, their slots, one integer per row per emitted key). With
   ``stall=True`` the committer does no work while the save waits, so time runs to the deadline;
   otherwise the awaited tasks are landed. ``on_page_wait`` is called once if the save has to wait
   for a page (another thread consuming a step meanwhile, CONC-3); without it time runs out.
-- ``materialize(step_id, req_ids) -> Rows``: per key (hidden first when cached, then the step's
-  mm keys), per request, the hit prefix rows then this step's rows; zeros read as ``0``.
+- ``materialize(step_id, req_ids) -> Delivered``: its ``rows``, per key (hidden first when
+  cached, then the step's mm keys) and request, are the rows of the positions handed out: hit
+  rows then this step's rows, less those below the delivery cursor (DLV-2); zeros read as
+  ``0``. Its ``positions`` are each request's ``(start, end)`` (DLV-7).
 - ``discard(step_id)``, ``shutdown()``, ``register_policy(policy)``.
 - ``in_flight() -> tuple[Tid, ...]``: write tasks the committer holds and has not finished;
   ``land(tid)`` moves one of them one stage (copy started, copy landed, rows in the pool);
@@ -49,8 +53,9 @@ explores fewer interleavings but every check still holds.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, TypeAlias, assert_never
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeAlias, assert_never
 
 import attrs
 import numpy as np
@@ -70,7 +75,9 @@ from omni_cache_core._contract import (
 from omni_cache_core._core import CacheCore
 from omni_cache_core._errors import (
     BadInputError,
+    DeliveryOrderError,
     HitUnreadableError,
+    LifecycleError,
     OversizeStepError,
     PageTimeoutError,
     ShutDownError,
@@ -133,6 +140,7 @@ __all__ = [
     "MM_KEY",
     "CacheDriver",
     "CacheMachine",
+    "Delivered",
     "DriverError",
     "IntPoolDriver",
     "ModelMismatch",
@@ -149,6 +157,19 @@ DEFERRED_KEY = TensorName("codes.audio")
 
 #: Per key (hidden first when cached, then mm keys sorted), per request: the row values.
 Rows: TypeAlias = dict[TensorName, dict[ReqId, tuple[int, ...]]]
+
+
+class Delivered(NamedTuple):
+    """What one materialize handed out.
+
+    Attributes:
+        rows: Per key, per request, the rows of the positions handed out, in position order.
+        positions: Per request, the ``(start, end)`` of those positions (DLV-7).
+    """
+
+    rows: Rows
+    positions: dict[ReqId, tuple[int, int]]
+
 
 _KEY_CODE: dict[TensorName, int] = {HIDDEN_KEY: 1, MM_KEY: 2, DEFERRED_KEY: 3}
 
@@ -221,7 +242,7 @@ class CacheDriver(Protocol):
         on_page_wait: Callable[[], None] | None = None,
     ) -> StepId: ...
 
-    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> Rows: ...
+    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> Delivered: ...
 
     def discard(self, step_id: StepId) -> None: ...
 
@@ -455,8 +476,8 @@ class IntPoolDriver:
         self._run(published.effects, spec=spec, step_id=step_id)
         return step_id
 
-    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> Rows:
-        """Consume a step and assemble its rows from the plan (HIT-3, HIT-5, HIT-6)."""
+    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> Delivered:
+        """Consume a step and assemble its rows from the plan (HIT-3, HIT-5, HIT-6, DLV-2)."""
         self._drain()
         while True:
             try:
@@ -669,9 +690,13 @@ class IntPoolDriver:
             raise DriverError(f"step {step.step_id} reads page {step.page} refilled by {owner}")
         return rows.get(key, ())
 
-    def _assemble(self, plan: ConsumePlan, req_ids: tuple[ReqId, ...]) -> Rows:
+    def _assemble(self, plan: ConsumePlan, req_ids: tuple[ReqId, ...]) -> Delivered:
         step = self.steps[plan.step_id]
         bounds = step.spec.bounds
+        if len(plan.starts) != len(req_ids) or len(plan.ends) != len(req_ids):
+            raise DriverError(f"step {plan.step_id}: positions for {len(plan.starts)} requests")
+        # DLV-2: the rows before each request's first delivered position are cut.
+        skips = [0] * len(req_ids) if plan.skip is None else plan.skip.tolist()
         prefix: dict[tuple[TensorName, ReqId], list[int]] = {}
         for read in plan.reads:
             prefix[(read.key, read.req_id)] = self._read_rows(step, read)
@@ -679,14 +704,20 @@ class IntPoolDriver:
         for key in plan.keys:
             rows = self._step_rows(step, key)
             per: dict[ReqId, tuple[int, ...]] = {}
-            for req_id in req_ids:
+            for req_id, skip in zip(req_ids, skips, strict=True):
                 lo, hi = bounds[req_id]
-                per[req_id] = (*prefix.get((key, req_id), ()), *rows[lo:hi])
+                per[req_id] = (*prefix.get((key, req_id), ()), *rows[lo:hi])[skip:]
             out[key] = per
         for read in plan.reads:
             self.prefetched.pop(read.read_id, None)
             self.preserved.pop(read.read_id, None)
-        return out
+        positions = {
+            req_id: (start, end)
+            for req_id, start, end in zip(
+                req_ids, plan.starts.tolist(), plan.ends.tolist(), strict=True
+            )
+        }
+        return Delivered(out, positions)
 
     def _read_rows(self, step: _SimStep, read: ReadPlan) -> list[int]:
         key = read.key
@@ -739,11 +770,42 @@ class ModelMismatch(AssertionError):
 
 
 @attrs.define
+class _Admission:
+    """One admission of a request id, from STARTED until FINISHED or ABORTED (LIFE-1)."""
+
+    number: int
+    req_id: ReqId
+    #: The position the request's next row takes (DLV-1).
+    computed: int
+    #: The delivery cursor (DLV-2): no position below it is handed out again.
+    cursor: int = 0
+    preempted: bool = False
+    ended: bool = False
+
+
+@attrs.define
+class _Carried:
+    """What a step carries for one request: positions ``[lo, hi)``, its own rows from `own`."""
+
+    admission: int
+    lo: int
+    own: int
+    hi: int
+    #: Whether its hit rows come from a RESUMED record (DLV-3).
+    resumed: bool = False
+
+
+@attrs.define
 class _Saved:
     step_id: StepId
     spec: SaveSpec
     out_keys: tuple[TensorName, ...]
     hits: dict[ReqId, tuple[int, ...]]
+    carried: dict[ReqId, _Carried]
+
+
+#: A DLV-5 refusal the model allows: ``(request, earlier step, positions it owes)``.
+Refusal: TypeAlias = tuple[ReqId, StepId, tuple[int, int]]
 
 
 class ReferenceModel:
@@ -757,6 +819,16 @@ class ReferenceModel:
     hit unreadable (HIT-3, HIT-4). The consuming step's own rows count (HIT-5), later saves do not
     (HIT-6: a delayed read never sees a newer tenant).
 
+    Requests and delivery (SPEC section 12) are kept per admission: its next position, its
+    delivery cursor, running or preempted (LIFE-1..4). A step carries, per request, the positions
+    of its hit rows (from the block of the cursor on, for a resume: DLV-3) and of its own rows
+    (DLV-1); a materialize hands out those at or above the cursor (DLV-2), a discard hands out
+    nothing (DLV-4), and a materialize that would move a request's cursor while an earlier open
+    step of the admission still owes it rows is refused (DLV-5: rows come out in save order).
+    Every delivered row is the newest write, as of the step's save, of the slot that holds its
+    position (DLV-6). `delivered` records the positions the system under test reported per
+    admission, so that a position handed out twice shows (DLV-2, DLV-7).
+
     Args:
         config: The cache's sizes.
         policy: The cache's policy.
@@ -767,11 +839,27 @@ class ReferenceModel:
         self.policy = policy
         self.history: list[_Saved] = []
         self.consumed: set[StepId] = set()
+        #: Live requests: running or preempted (LIFE-1).
         self.live: set[ReqId] = set()
-        #: Hits registered by the last start, served by the next save that succeeds.
+        self.preempted: set[ReqId] = set()
+        #: Every admission so far, by number, and the live requests' current ones.
+        self.admissions: list[_Admission] = []
+        self.admission_of: dict[ReqId, _Admission] = {}
+        #: Hits registered by the last start, served by the next save that succeeds: their slots
+        #: and their first position (0, or a resume's cursor block: DLV-3).
         self.hits: dict[ReqId, tuple[int, ...]] = {}
+        self.hit_lo: dict[ReqId, int] = {}
+        self.resumed_hits: set[ReqId] = set()
         #: Live requests whose hit no save served: unsaveable until they end (D10).
         self.lost: set[ReqId] = set()
+        #: Per admission: the positions the system under test handed out (DLV-2).
+        self.delivered: dict[int, set[int]] = {}
+        #: Per admission: positions carried by steps that were discarded (DLV-4).
+        self.discarded: dict[int, set[int]] = {}
+        #: The refusals the last `consume` allowed (DLV-5).
+        self.refusals: frozenset[Refusal] = frozenset()
+        #: What the last `consume` showed, for the machine's coverage counts.
+        self.shown: list[str] = []
         self.closed = False
         self.failed = False
         self.started = False
@@ -783,6 +871,11 @@ class ReferenceModel:
     def next_step_id(self) -> StepId:
         """The id the next successful save returns (STEP-1: from 1, one per save)."""
         return StepId(len(self.history) + 1)
+
+    @property
+    def running(self) -> set[ReqId]:
+        """Live requests that are not preempted."""
+        return self.live - self.preempted
 
     def open_step_ids(self) -> tuple[StepId, ...]:
         """Saved, not yet consumed step ids (STEP-1)."""
@@ -810,6 +903,44 @@ class ReferenceModel:
                 return None if values is None else values[row]
         return None
 
+    def writer_of(self, slot: int, upto: StepId | None = None) -> tuple[int, int] | None:
+        """``(admission, position)`` of the newest row in `slot` as of step `upto`'s save."""
+        for saved in reversed(self.history[: len(self.history) if upto is None else upto]):
+            flat = saved.spec.flat_slots
+            if slot in flat:
+                row = len(flat) - 1 - flat[::-1].index(slot)
+                for req_id, (lo, hi) in saved.spec.bounds.items():
+                    if lo <= row < hi:
+                        carried = saved.carried[req_id]
+                        return carried.admission, carried.own + row - lo
+        return None
+
+    def owed_by_earlier(self, step_id: StepId, req_ids: Sequence[ReqId]) -> frozenset[Refusal]:
+        """The DLV-5 refusals a materialize of these requests allows; empty if it is in order.
+
+        Per admission, rows come out in save order: a materialize that would move a request's
+        cursor (hand it rows, or pass over positions below its rows: DLV-4) is held back while
+        an earlier open step of the same admission still owes it rows (carries positions at or
+        above the cursor). Each refusal names the earlier step and the positions it owes.
+        """
+        saved = self.saved(step_id)
+        out: set[Refusal] = set()
+        for req_id in req_ids:
+            carried = saved.carried[req_id]
+            cursor = self.admissions[carried.admission].cursor
+            if carried.hi <= cursor:
+                continue  # every position below the cursor: it moves nothing, never refused
+            for earlier in self.history[: step_id - 1]:
+                other = earlier.carried.get(req_id)
+                if (
+                    earlier.step_id not in self.consumed
+                    and other is not None
+                    and other.admission == carried.admission
+                    and other.hi > max(other.lo, cursor)
+                ):
+                    out.add((req_id, earlier.step_id, (max(other.lo, cursor), other.hi)))
+        return frozenset(out)
+
     # -----------------------------------------------------------------------------------------
     # Engine calls: each returns what must happen and applies it when it succeeds.
 
@@ -820,16 +951,20 @@ class ReferenceModel:
             return refusal
         bs = self.config.block_size
         seen: set[str] = set()
+        ending: list[PrefixCacheRequestEvent] = []
+        starting: list[PrefixCacheRequestEvent] = []
         for event in events:
-            if event.kind is not PrefixCacheEventKind.STARTED:
+            if event.kind not in (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.RESUMED):
+                ending.append(event)
                 continue
+            starting.append(event)
             if event.req_id in seen:
-                return BadInputError
+                return BadInputError  # one STARTED or RESUMED record per request and step
             seen.add(event.req_id)
             if event.hit_end:
                 blocks = event.block_ids
                 wanted = event.hit_end // bs
-                # HIT-1: aligned, with blocks, enough of them, each in range.
+                # HIT-1, LIFE-4: aligned, with blocks, enough of them, each in range.
                 if (
                     not blocks
                     or event.hit_end % bs
@@ -837,22 +972,70 @@ class ReferenceModel:
                     or not all(0 <= b < self.config.num_blocks for b in blocks[:wanted])
                 ):
                     return BadInputError
+        # LIFE-2: ends and preemptions first, in order, then starts and resumes.
+        state: dict[str, str] = {}
+
+        def state_of(req_id: str) -> str:
+            if req_id in state:
+                return state[req_id]
+            if req_id in self.preempted:
+                return "preempted"
+            return "running" if req_id in self.live else "not live"
+
+        for event in ending:
+            if event.kind is PrefixCacheEventKind.PREEMPTED:
+                if state_of(event.req_id) != "running":
+                    return LifecycleError
+                state[event.req_id] = "preempted"
+            else:
+                state[event.req_id] = "not live"  # FINISHED, ABORTED: any state, even unknown
+        for event in starting:
+            now = state_of(event.req_id)
+            if (event.kind is PrefixCacheEventKind.RESUMED) != (now == "preempted"):
+                return LifecycleError  # RESUMED only of a preempted request, STARTED never
         self.started = True
         # D10: a hit that the next save did not serve is lost for good.
         self.lost |= set(self.hits)
-        # HIT-2: finishes and aborts first, so an id finished and started again is new.
-        for event in events:
-            if event.kind is not PrefixCacheEventKind.STARTED:
-                self.live.discard(ReqId(event.req_id))
-                self.lost.discard(ReqId(event.req_id))
-        self.hits = {}
-        for event in events:
+        for event in ending:
             req_id = ReqId(event.req_id)
-            if event.kind is PrefixCacheEventKind.STARTED and req_id not in self.live:
+            if req_id not in self.live:
+                continue
+            self.lost.discard(req_id)
+            admission = self.admission_of[req_id]
+            if event.kind is PrefixCacheEventKind.PREEMPTED:
+                self.preempted.add(req_id)  # LIFE-3: live for delivery, not for saves
+                admission.preempted = True
+            else:
+                self.live.discard(req_id)
+                self.preempted.discard(req_id)
+                del self.admission_of[req_id]
+                admission.ended = True
+        self.hits, self.hit_lo, self.resumed_hits = {}, {}, set()
+        for event in starting:
+            req_id = ReqId(event.req_id)
+            if event.kind is PrefixCacheEventKind.RESUMED:
+                self.preempted.discard(req_id)
+                admission = self.admission_of[req_id]
+                admission.preempted = False
+                admission.computed = event.hit_end  # LIFE-4: positions restart at hit_end
+                # DLV-3: only the blocks from the cursor's on are read again.
+                first = admission.cursor // bs * bs
+            elif req_id in self.live:
+                continue  # HIT-1: a continuation opens no hit
+            else:
+                admission = _Admission(
+                    number=len(self.admissions), req_id=req_id, computed=event.hit_end
+                )
+                self.admissions.append(admission)
+                self.admission_of[req_id] = admission
                 self.live.add(req_id)
-                if event.hit_end:
-                    blocks = event.block_ids[: event.hit_end // bs]
-                    self.hits[req_id] = tuple(b * bs + o for b in blocks for o in range(bs))
+                first = 0
+            if event.hit_end > first:
+                blocks = event.block_ids[first // bs : event.hit_end // bs]
+                self.hits[req_id] = tuple(b * bs + o for b in blocks for o in range(bs))
+                self.hit_lo[req_id] = first
+                if event.kind is PrefixCacheEventKind.RESUMED:
+                    self.resumed_hits.add(req_id)
         return None
 
     def save_outcomes(
@@ -875,6 +1058,7 @@ class ReferenceModel:
             any(not 0 <= s < self.config.num_slots for s in spec.flat_slots)
             or len(set(spec.req_ids)) != len(spec.req_ids)
             or not set(spec.req_ids) <= self.live  # D9
+            or bool(set(spec.req_ids) & self.preempted)  # LIFE-3: its blocks are gone
             or bool(set(spec.req_ids) & self.lost)  # D10: its rows would miss their prefix
             or not set(self.hits) <= set(spec.req_ids)  # D10: a hit must never vanish
             or (HIDDEN_KEY in keys) != (caches_hidden and n > 0)
@@ -898,15 +1082,36 @@ class ReferenceModel:
         step_id = self.next_step_id
         mm = sorted(k for k in spec.value_map() if k != HIDDEN_KEY)
         out_keys = ((HIDDEN_KEY,) if self.policy.needs_full_hidden_states else ()) + tuple(mm)
+        carried: dict[ReqId, _Carried] = {}
+        for req_id, run in zip(spec.req_ids, spec.slots, strict=True):
+            # DLV-1: the request's rows take the next positions; a hit registered for this save
+            # carries its rows first, from its first position on.
+            admission = self.admission_of[req_id]
+            own = admission.computed
+            admission.computed = own + len(run)
+            lo = self.hit_lo.get(req_id, own)
+            if req_id in self.hits and own - lo != len(self.hits[req_id]):
+                raise ModelMismatch(f"the model's hit of {req_id} does not end at its positions")
+            carried[req_id] = _Carried(
+                admission.number, lo, own, own + len(run), req_id in self.resumed_hits
+            )
         hits = dict(self.hits)
-        self.history.append(_Saved(step_id=step_id, spec=spec, out_keys=out_keys, hits=hits))
-        self.hits = {}
+        self.history.append(
+            _Saved(step_id=step_id, spec=spec, out_keys=out_keys, hits=hits, carried=carried)
+        )
+        self.hits, self.hit_lo, self.resumed_hits = {}, {}, set()
         return step_id
 
     def consume(
         self, step_id: StepId, req_ids: Sequence[ReqId] | None
-    ) -> tuple[Outcome, Rows | None]:
-        """A `materialize` (``req_ids``) or `discard_step` (None): the error or the rows."""
+    ) -> tuple[Outcome, Delivered | None]:
+        """A `materialize` (``req_ids``) or `discard_step` (None): the error or what it hands out.
+
+        On a DLV-5 refusal `refusals` holds the ``(request, earlier step, positions it owes)``
+        the error may name, and the step stays open.
+        """
+        self.refusals = frozenset()
+        self.shown = []
         refusal = self._refusal()
         if refusal is not None:
             return refusal, None
@@ -914,15 +1119,31 @@ class ReferenceModel:
             return UnknownStepError, None  # STEP-2
         if step_id in self.consumed:
             return StepAlreadyConsumedError, None  # STEP-1, STEP-2
-        self.consumed.add(step_id)
-        if req_ids is None:
-            return None, None
         saved = self.saved(step_id)
+        if req_ids is None:
+            self.consumed.add(step_id)
+            # DLV-4: a discard is not delivery; the cursors stay where they are.
+            for carried in saved.carried.values():
+                self.discarded.setdefault(carried.admission, set()).update(
+                    range(carried.lo, carried.hi)
+                )
+            return None, None
         if not set(req_ids) <= set(saved.spec.req_ids):
+            self.consumed.add(step_id)
             return BadInputError, None  # STEP-4: and the step counts as consumed
+        self.refusals = self.owed_by_earlier(step_id, req_ids)
+        if self.refusals:
+            return DeliveryOrderError, None  # DLV-5: nothing changes, the step stays open
+        self.consumed.add(step_id)
         bounds = saved.spec.bounds
         values = saved.spec.value_map()
         rows: Rows = {}
+        positions: dict[ReqId, tuple[int, int]] = {}
+        for req_id in req_ids:
+            carried = saved.carried[req_id]
+            admission = self.admissions[carried.admission]
+            start = max(carried.lo, admission.cursor)
+            positions[req_id] = (start, max(carried.hi, start))
         for key in saved.out_keys:
             per: dict[ReqId, tuple[int, ...]] = {}
             for req_id in req_ids:
@@ -933,9 +1154,72 @@ class ReferenceModel:
                         return HitUnreadableError, None  # HIT-4: never a miss
                     prefix.append(0 if value is None else value)
                 lo, hi = bounds[req_id]
-                per[req_id] = (*prefix, *values.get(key, ())[lo:hi])
+                skip = positions[req_id][0] - saved.carried[req_id].lo
+                per[req_id] = (*prefix, *values.get(key, ())[lo:hi])[skip:]
             rows[key] = per
-        return None, rows
+        for req_id in req_ids:
+            self._note_delivery(saved, req_id, positions[req_id])
+        return None, Delivered(rows, positions)
+
+    def _note_delivery(self, saved: _Saved, req_id: ReqId, delivered: tuple[int, int]) -> None:
+        """Move the cursor (DLV-2) and note what the delivery showed (for coverage counts)."""
+        carried = saved.carried[req_id]
+        admission = self.admissions[carried.admission]
+        start = delivered[0]
+        if start > carried.lo:
+            self.shown.append("rows cut below the cursor")
+        if carried.lo > admission.cursor:
+            self.shown.append("gap passed over")
+        if admission.preempted:
+            self.shown.append("late materialize of a preempted request")
+        if admission.ended:
+            self.shown.append("late materialize of an ended admission")
+        # Hit rows of a resume that serve the request's own earlier rows (blocks that stayed
+        # cached), and positions a discard left behind that a resume hit serves (DLV-4).
+        hit_end = carried.own
+        if carried.resumed and start < hit_end:
+            self.shown.append("resume hit delivered")
+            slots = saved.hits.get(req_id, ())
+            own = [
+                p
+                for p in range(start, hit_end)
+                if self.writer_of(slots[p - carried.lo], saved.step_id) == (carried.admission, p)
+            ]
+            if own:
+                self.shown.append("resume hit serves the request's own rows")
+            if set(range(start, hit_end)) & self.discarded.get(carried.admission, set()):
+                self.shown.append("discarded positions served by a resume hit")
+        admission.cursor = max(admission.cursor, carried.hi)
+
+    def check_delivery(self, step_id: StepId, got: Delivered) -> None:
+        """Check what a materialize handed out, before comparing it with the model's answer.
+
+        Each request's positions are a range, every key has one row per position (in position
+        order: DLV-7), and no position of an admission is handed out twice (DLV-2).
+
+        Raises:
+            ModelMismatch: One of these does not hold.
+        """
+        saved = self.saved(step_id)
+        for req_id, (start, end) in got.positions.items():
+            carried = saved.carried.get(req_id)
+            if carried is None or not start <= end:
+                raise ModelMismatch(f"step {step_id}: positions {start, end} for {req_id}")
+            for key, per in got.rows.items():
+                count = len(per.get(req_id, ()))
+                if count != end - start:
+                    raise ModelMismatch(
+                        f"step {step_id}: {count} {key} rows for {req_id}, whose positions are "
+                        f"[{start}, {end}) (DLV-7)"
+                    )
+            seen = self.delivered.setdefault(carried.admission, set())
+            again = seen.intersection(range(start, end))
+            if again:
+                raise ModelMismatch(
+                    f"step {step_id}: positions {sorted(again)} of {req_id} (admission "
+                    f"{carried.admission}) handed out again (DLV-2)"
+                )
+            seen.update(range(start, end))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -944,6 +1228,16 @@ class ReferenceModel:
 #: Request ids the machine uses; a finished id may start again (HIT-2).
 REQS: tuple[ReqId, ...] = tuple(ReqId(f"r{i}") for i in range(4))
 OUTSIDER = ReqId("outsider")
+
+
+#: Lifecycle records LIFE-2 refuses, tried on purpose by the `misuse` rule.
+_LIFECYCLE_MISUSE = (
+    "resume a running request",
+    "preempt twice",
+    "preempt after the end",
+    "start a preempted request",
+    "start and resume in one step",
+)
 
 
 def _describe(outcomes: Iterable[Outcome]) -> str:
@@ -964,14 +1258,22 @@ class CacheMachine(RuleBasedStateMachine):
 
     Each run draws a policy (hidden cached or not), 2 or 3 pages, a budget (roomy, or small
     enough that saves flush deferred writes), prefetch on or off, a wait bound of 1 s or 0,
-    whether committer failures may happen, and whether reads are late. The KV cache has 4
-    blocks of 2 slots; up to 4 request ids start, finish, abort and start again.
+    whether committer failures may happen, whether reads are late, and whether the engine
+    preempts. The KV cache has 4 blocks of 2 slots; up to 4 request ids start, finish, abort and
+    start again; with preemption, running requests are preempted (their blocks go back to the
+    pool), and preempted ones finish, abort or resume with a new block list and a hit that ends
+    nowhere, below, at or above the delivery cursor, over the blocks that still hold their rows,
+    or beyond what they computed (LIFE-1..4, DLV-3).
 
     Rules: `engine` (a step start or the save after it, with background committer work and
     sometimes a catch-up consume), `save_while_a_step_is_consumed`, `consume`, `misuse` (every
-    error path), `committer` (one stage, all of it, a failure, or time passing) and a late
-    `shut_down`. Every outcome is checked against `ReferenceModel`; the invariant checks the
-    core's invariants, the driver's page ownership and the open step ids.
+    error path, illegal lifecycle records included), `committer` (one stage, all of it, a
+    failure, or time passing) and a late `shut_down`. Every outcome is checked against
+    `ReferenceModel`: each materialize's positions and rows (each position once per admission,
+    DLV-2, DLV-7), and its DLV-5 refusals, which must change nothing, after which the output
+    builder consumes something else. The invariant checks the core's invariants, the driver's
+    page ownership and the open step ids. `coverage` counts the lifecycle and delivery cases
+    runs reach.
 
     Subclasses set `driver_factory` to run the same rules against another driver.
     """
@@ -987,6 +1289,11 @@ class CacheMachine(RuleBasedStateMachine):
     shutdown_after: ClassVar[int] = 55
     #: Rules run before a committer failure may happen (it is sticky, FAIL-1).
     fail_after: ClassVar[int] = 40
+    #: Whether runs may preempt requests at all (each run draws it when this is True).
+    preemption_runs: ClassVar[bool] = True
+    #: What runs reached, counted across runs (lifecycle and delivery cases); a subclass that
+    #: wants its own counts sets its own Counter.
+    coverage: ClassVar[Counter[str]] = Counter()
 
     steps = Bundle("steps")
 
@@ -999,14 +1306,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.phase = "start"
         #: Per live request: its block ids and how many of them its hit covered.
         self.blocks: dict[ReqId, tuple[tuple[int, ...], int]] = {}
+        #: The engine's view of each live request's KV: position -> (slot, the row that was
+        #: there when the request's KV got there: ``(admission, position)`` of its writer).
+        self.kv: dict[ReqId, dict[int, tuple[int, tuple[int, int] | None]]] = {}
         self.attempt = 0
         self.rules_run = 0
         #: Slots some successful save wrote.
         self.written_slots: set[int] = set()
-        #: Per live request: how many of its own slots it has computed.
-        self.position: dict[ReqId, int] = {}
         self.allow_failures = False
         self.late_reads = False
+        self.preemption = False
 
     # -----------------------------------------------------------------------------------------
     # Helpers.
@@ -1059,6 +1368,87 @@ class CacheMachine(RuleBasedStateMachine):
         blocks, hit_blocks = self.blocks.get(req_id, ((), 0))
         return blocks[:hit_blocks]
 
+    def _own_offset(self, req_id: ReqId) -> int:
+        """How many rows the request computed since its hit: its next own slot's index."""
+        _, hit_blocks = self.blocks.get(req_id, ((), 0))
+        return self.model.admission_of[req_id].computed - hit_blocks * self.block_size
+
+    def _cached_prefix(self, req_id: ReqId) -> list[int]:
+        """Blocks that still hold the request's first positions, in order.
+
+        Block ``k`` of the result holds positions ``[k * block_size, (k + 1) * block_size)``
+        at its offsets, and no save rewrote those slots since the request's KV got there (its
+        own rows, or the rows its hit read): what an engine's prefix cache still has after a
+        preemption.
+        """
+        bs = self.block_size
+        kv = self.kv.get(req_id, {})
+        out: list[int] = []
+        for k in range(self.num_blocks):
+            held = [kv.get(k * bs + o) for o in range(bs)]
+            first = held[0]
+            block = -1 if first is None else first[0] // bs
+            if any(
+                h is None or h[0] != block * bs + o or self.model.writer_of(h[0]) != h[1]
+                for o, h in enumerate(held)
+            ):
+                break
+            out.append(block)
+        return out
+
+    def _note_kv(self, req_id: ReqId, positions: Iterable[tuple[int, int]]) -> None:
+        """The request's KV of these ``(position, slot)`` is now there (a hit or a save)."""
+        kv = self.kv.setdefault(req_id, {})
+        for pos, slot in positions:
+            kv[pos] = (slot, self.model.writer_of(slot))
+
+    def _draw_resume(
+        self, req_id: ReqId, data: st.DataObject, freed: Sequence[int]
+    ) -> tuple[tuple[int, ...], int, list[str]]:
+        """A resumed request's new block list, its hit and how the hit ends (LIFE-4, DLV-3).
+
+        The hit ends nowhere (no hit), below, at or above the delivery cursor, over every block
+        that still holds the request's own rows, or beyond every position it computed (blocks
+        another request wrote, a shared prefix). Blocks that still hold its rows come first;
+        further hit blocks are blocks some save wrote. One or two blocks to compute in follow,
+        given-back blocks first.
+        """
+        bs, nb = self.block_size, self.num_blocks
+        admission = self.model.admission_of[req_id]
+        cursor, computed = admission.cursor, admission.computed
+        cached = self._cached_prefix(req_id)
+        ends = [0, (cursor // bs + 1) * bs, (computed // bs + 1) * bs, len(cached) * bs]
+        if cursor > bs:
+            ends += [(cursor - 1) // bs * bs] * 2
+        if cursor and cursor % bs == 0:
+            ends += [cursor, cursor]
+        hit_end = data.draw(st.sampled_from([e for e in ends if e <= nb * bs]))
+        hit_blocks = hit_end // bs
+        blocks = cached[:hit_blocks]
+        written = sorted({s // bs for s in self.written_slots})
+        while len(blocks) < hit_blocks:
+            blocks.append(
+                data.draw(st.sampled_from([b for b in [*written, *range(nb)] if b not in blocks]))
+            )
+        for _ in range(data.draw(st.integers(1, 2))):
+            spare = [b for b in [*freed, *freed, *range(nb)] if b not in blocks]
+            if spare:
+                blocks.append(data.draw(st.sampled_from(spare)))
+        if not hit_end:
+            cases = ["resume without a hit"]
+        else:
+            where = {-1: "below", 0: "at", 1: "above"}[(hit_end > cursor) - (hit_end < cursor)]
+            cases = [f"resume hit {where} the cursor"]
+            if hit_end > computed:
+                cases.append("resume hit beyond what was computed")
+            if hit_blocks <= len(cached):
+                cases.append("resume hit over blocks that stayed cached")
+        return tuple(blocks), hit_blocks, cases
+
+    def _show(self, *labels: str) -> None:
+        """Count what a run reached (the tests check every case occurs)."""
+        type(self).coverage.update(labels)
+
     def _slots_of(self, req_id: ReqId) -> list[int]:
         """Slots a request computes, in order: its blocks past the hit (the last if all hit)."""
         bs = self.block_size
@@ -1069,7 +1459,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _draw_spec(self, data: st.DataObject, *, max_rows: int = 3) -> SaveSpec:
         # Requests whose hit waits for this save are in it (D10), others often; at most 3.
         # A request whose hit was lost (D10) cannot be saved again; it waits for its finish.
-        saveable = sorted(self.model.live - self.model.lost)
+        saveable = sorted(self.model.running - self.model.lost)
         hits = [r for r in saveable if r in self.model.hits]
         others = [
             r
@@ -1113,11 +1503,11 @@ class CacheMachine(RuleBasedStateMachine):
                 # A slot of any block: a recycled block, another tenant's block.
                 run = data.draw(st.lists(st.sampled_from(every), unique=True, max_size=count))
             else:
-                # The request's next positions; "recompute" starts over after a preemption
-                # (its own deferred write may have lost those slots meanwhile: SLOT-5).
-                at = 0 if how == "recompute" else self.position.get(req_id, 0)
+                # The request's next positions, in the slots its block list gives them (so a
+                # resume may find them still cached); "recompute" writes from its first own slot
+                # again (its own deferred write may have lost those slots meanwhile: SLOT-5).
+                at = 0 if how == "recompute" else self._own_offset(req_id)
                 run = [own[(at + i) % len(own)] for i in range(min(count, len(own)))]
-                self.position[req_id] = at + len(run)
             if not overlap:
                 run = [s for s in run if s not in used]
             used.update(run)
@@ -1156,6 +1546,9 @@ class CacheMachine(RuleBasedStateMachine):
             return multiple()
         want = self.model.save(spec)
         self.written_slots.update(spec.flat_slots)
+        for req_id, run in zip(spec.req_ids, spec.slots, strict=True):
+            own = self.model.saved(want).carried[req_id].own
+            self._note_kv(req_id, ((own + i, slot) for i, slot in enumerate(run)))
         if result != want:
             raise ModelMismatch(f"save returned step {result}, model {want}")
         self.phase = "start"
@@ -1166,7 +1559,10 @@ class CacheMachine(RuleBasedStateMachine):
         while self.sut.in_flight():
             self.sut.land(self.sut.in_flight()[0])
 
-    def _consume(self, step_id: StepId, how: str, data: st.DataObject) -> None:
+    def _consume(
+        self, step_id: StepId, how: str, data: st.DataObject, *, must_end: bool = False
+    ) -> None:
+        """Materialize or discard a step; ``must_end``: a refusal (DLV-5) turns into a discard."""
         if data.draw(st.sampled_from([False, False, True])):
             # The output builder lags behind the committer: a later save's write has reached
             # the pool rows this step's hit planned on (HIT-6 shows only then).
@@ -1182,21 +1578,63 @@ class CacheMachine(RuleBasedStateMachine):
             ]
             if data.draw(st.sampled_from([False] * 7 + [True])):
                 req_ids.append(OUTSIDER)  # STEP-4
+            elif (
+                must_end
+                and step_id in self.model.open_step_ids()
+                and self.model.owed_by_earlier(step_id, req_ids)
+            ):
+                req_ids = None  # the consume beside a page wait must free the page
         outcome, want = self.model.consume(step_id, req_ids)
         if req_ids is None:
             self._expect({outcome}, f"discard({step_id})", lambda: self.sut.discard(step_id))
             return
         asked = tuple(req_ids)
-        got = self._expect(
-            {outcome},
-            f"materialize({step_id}, {list(asked)})",
-            lambda: self.sut.materialize(step_id, asked),
+        what = f"materialize({step_id}, {list(asked)})"
+        if outcome is DeliveryOrderError:
+            self._refused(step_id, asked, data)
+            return
+        got = self._expect({outcome}, what, lambda: self.sut.materialize(step_id, asked))
+        if outcome is None:
+            assert want is not None
+            self.model.check_delivery(step_id, got)
+            if got.positions != want.positions:
+                raise ModelMismatch(
+                    f"{what} handed out positions {got.positions}, model {want.positions} (DLV-7)"
+                )
+            if got.rows != want.rows:
+                raise ModelMismatch(
+                    f"{what} rows differ from the model:\n" + _diff(got.rows, want.rows)
+                )
+            self._show(*self.model.shown)
+
+    def _refused(self, step_id: StepId, asked: tuple[ReqId, ...], data: st.DataObject) -> None:
+        """A materialize while an earlier open step still owes the request rows is refused (DLV-5).
+
+        The error names the request, the earlier step and the positions it owes; the state is
+        unchanged and the step stays open. The output builder then consumes something else:
+        mostly the step that owes the rows (and then, often, the refused step again), sometimes
+        the oldest open step (never refused).
+        """
+        allowed = self.model.refusals
+        what = f"materialize({step_id}, {list(asked)})"
+        before = self._quiet_snapshot()
+        error = self._expect(
+            {DeliveryOrderError}, what, lambda: self.sut.materialize(step_id, asked)
         )
-        if outcome is None and got != want:
-            raise ModelMismatch(
-                f"materialize({step_id}, {list(asked)}) rows differ from the model:\n"
-                + _diff(got, want or {})
-            )
+        named = (ReqId(error.req_id), StepId(error.earlier_step_id), tuple(error.gap))
+        if error.step_id != step_id or named not in allowed:
+            raise ModelMismatch(f"{what} refused naming {named}; the model allows {allowed}")
+        self._unchanged(before, what)
+        self._show("delivery order refused", *self.model.shown)
+        then = data.draw(st.sampled_from(["earlier", "earlier", "oldest", "nothing"]))
+        how = data.draw(st.sampled_from(["materialize", "materialize", "discard"]))
+        if then == "earlier":
+            self._consume(named[1], how, data)
+            if step_id in self.model.open_step_ids() and data.draw(st.booleans()):
+                # Then the refused step again (refused again while another step owes rows).
+                self._consume(step_id, "materialize", data)
+        elif then == "oldest":
+            self._consume(self.model.open_step_ids()[0], how, data)
 
     # -----------------------------------------------------------------------------------------
     # Setup and invariants.
@@ -1209,6 +1647,7 @@ class CacheMachine(RuleBasedStateMachine):
         failures=st.sampled_from([False, False, False, True]),
         timeout_s=st.sampled_from([1.0, 1.0, 1.0, 0.0]),
         late_reads=st.booleans(),
+        preemption=st.sampled_from([False, True, True]),
     )
     def setup(
         self,
@@ -1219,8 +1658,13 @@ class CacheMachine(RuleBasedStateMachine):
         failures: bool,
         timeout_s: float,
         late_reads: bool,
+        preemption: bool,
     ) -> None:
-        """Build the cache: policy, depth, budget, prefetch and the wait bound vary per run."""
+        """Build the cache: policy, depth, budget, prefetch and the wait bound vary per run.
+
+        So does whether the engine preempts requests at all: runs without preemption spend
+        every step on the slot and write rules (HIT-6 needs long runs of saves and late reads).
+        """
         config = PrefixCacheConfig(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -1234,6 +1678,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.model = ReferenceModel(config, policy)
         self.allow_failures = failures
         self.late_reads = late_reads
+        self.preemption = preemption and self.preemption_runs
 
     @invariant()
     def agrees_with_model(self) -> None:
@@ -1280,24 +1725,89 @@ class CacheMachine(RuleBasedStateMachine):
         return self._save(self._draw_spec(data), stall=stall)
 
     def _start_step(self, data: st.DataObject) -> None:
-        """Finish or abort some requests, start others, with or without hits (HIT-1, HIT-2)."""
+        """One step's lifecycle records, legal in every order they come in (HIT-1, HIT-2, LIFE-2).
+
+        Some live requests finish or abort (preempted ones too), some running ones are
+        preempted (their blocks go back to the pool, LIFE-3), some preempted ones resume with
+        a new block list and a hit drawn around what was delivered (LIFE-4, DLV-3), and some
+        ids start: new, reused after an end, or a continuation of a running request.
+        """
         if data.draw(st.sampled_from([False, False, False, True])):
             # The committer caught up before this step: hits then read committed pool rows,
             # which a later save must preserve for a late read (HIT-6).
             self._catch_up()
-        live = sorted(self.model.live)
+        model = self.model
+        live = sorted(model.live)
         events: list[PrefixCacheRequestEvent] = []
+        ended: set[ReqId] = set()
         if live:
             for req_id in data.draw(st.lists(st.sampled_from(live), unique=True, max_size=2)):
                 kind = data.draw(
                     st.sampled_from([PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED])
                 )
                 events.append(PrefixCacheRequestEvent(req_id=req_id, kind=kind))
+                ended.add(req_id)
+        running = sorted(model.running - ended)
+        # One draw each for a preemption and a resume (draws are what a step costs).
+        preempting: list[ReqId] = []
+        if running and self.preemption:
+            # Mostly a request that has rows delivered already (preempted mid-decode).
+            delivered = [(r,) for r in running if model.admission_of[r].cursor]
+            options = [(), (), *((r,) for r in running), *delivered, *delivered]
+            preempting = list(data.draw(st.sampled_from(options)))
+            events.extend(
+                PrefixCacheRequestEvent(req_id=r, kind=PrefixCacheEventKind.PREEMPTED)
+                for r in preempting
+            )
         # The blocks an ending request hit come free now, while the read of its hit may still be
-        # pending (late reads): a new tenant recomputing them is the HIT-6 case, made likely.
-        freed = sorted({b for e in events for b in self._hit_blocks(ReqId(e.req_id))})
+        # pending (late reads): a new tenant recomputing them is the HIT-6 case, made likely. A
+        # preempted request gives all its blocks back.
+        freed = sorted(
+            {b for r in ended for b in self._hit_blocks(r)}
+            | {b for r in preempting for b in self.blocks.get(r, ((), 0))[0]}
+        )
         blocks_of: dict[ReqId, tuple[tuple[int, ...], int]] = {}
-        for req_id in data.draw(st.lists(st.sampled_from(REQS), unique=True, max_size=2)):
+        # RESUMED: a request preempted earlier, or in this very step (LIFE-2 applies the
+        # preemption first).
+        resumable = sorted(model.preempted - ended) + preempting
+        resuming: list[ReqId] = []
+        if resumable:
+            resuming = list(data.draw(st.sampled_from([(), *((r,) for r in resumable)])))
+        if resuming and data.draw(st.sampled_from([False, True, True])):
+            # The output builder caught up with the request's steps before it resumes, and
+            # needed some of them (a resume hit serves what it discarded: DLV-4).
+            for step_id in self.model.open_step_ids():
+                if resuming[0] in self.model.saved(step_id).carried:
+                    how = data.draw(st.sampled_from(["materialize", "discard"]))
+                    self._consume(step_id, how, data)
+        cases: list[str] = []
+        for req_id in resuming:
+            blocks, hit_blocks, where = self._draw_resume(req_id, data, freed)
+            cases.extend(where)
+            blocks_of[req_id] = (blocks, hit_blocks)
+            events.append(
+                PrefixCacheRequestEvent(
+                    req_id=req_id,
+                    kind=PrefixCacheEventKind.RESUMED,
+                    hit_end=hit_blocks * self.block_size,
+                    block_ids=blocks,
+                    scheduled_tokens=1,
+                )
+            )
+        # STARTED: any id that is neither preempted (LIFE-2) nor resuming in this step.
+        startable = [
+            r
+            for r in REQS
+            if r not in resuming
+            and r not in preempting
+            and (r not in model.preempted or r in ended)
+        ]
+        chosen = (
+            data.draw(st.lists(st.sampled_from(startable), unique=True, max_size=2))
+            if startable
+            else []
+        )
+        for req_id in chosen:
             # Hit blocks come mostly from blocks some save wrote (so hits read the pool and
             # later saves may reuse them under a delayed read: HIT-6), else from any block.
             written = sorted({s // self.block_size for s in self.written_slots})
@@ -1322,15 +1832,32 @@ class CacheMachine(RuleBasedStateMachine):
                     scheduled_tokens=1,
                 )
             )
-        # A continuation keeps its blocks; a new or restarted id (HIT-2) takes the drawn ones.
-        ended = {ReqId(e.req_id) for e in events if e.kind is not PrefixCacheEventKind.STARTED}
-        fresh = {r for r in blocks_of if r not in self.model.live or r in ended}
-        outcome = self.model.start(events)
+        if len(events) > 1 and data.draw(st.booleans()):
+            # LIFE-2: ends and preemptions apply before starts and resumes, whatever the order.
+            events = list(data.draw(st.permutations(events)))
+        # A continuation keeps its blocks; a new or restarted id (HIT-2) and a resume take the
+        # drawn ones.
+        fresh = {r for r in blocks_of if r not in model.live or r in ended or r in resuming}
+        shown = ["preempted"] * len(preempting) + cases
+        shown += ["ended while preempted" for r in ended if r in model.preempted]
+        shown += [
+            "id reused"
+            for r in chosen
+            if (r not in model.live or r in ended) and any(a.req_id == r for a in model.admissions)
+        ]
+        outcome = model.start(events)
         self._expect({outcome}, f"start {events}", lambda: self.sut.start(events))
         if outcome is None:
+            bs = self.block_size
             for req_id in fresh:
                 self.blocks[req_id] = blocks_of[req_id]
-                self.position[req_id] = 0
+                # The engine's KV of the request is its hit blocks now (LIFE-3: the rest is gone).
+                table, hit_blocks = blocks_of[req_id]
+                self.kv[req_id] = {}
+                self._note_kv(
+                    req_id, ((p, table[p // bs] * bs + p % bs) for p in range(hit_blocks * bs))
+                )
+            self._show(*shown)
             self.phase = "save"
 
     @precondition(
@@ -1359,7 +1886,7 @@ class CacheMachine(RuleBasedStateMachine):
 
         def consume_meanwhile() -> None:
             called.append(True)
-            self._consume(relief, how, data)
+            self._consume(relief, how, data, must_end=True)
 
         result = self._save(spec, stall=False, relief=consume_meanwhile)
         if not called:
@@ -1396,14 +1923,29 @@ class CacheMachine(RuleBasedStateMachine):
                 "consume twice",
                 "consume unknown",
                 "register policy late",
+                *_LIFECYCLE_MISUSE,
+                "save a preempted request",
             ]
         ),
         data=st.data(),
     )
     def misuse(self, kind: str, data: st.DataObject) -> None:
-        """Each misuse raises its typed error and leaves the state as SPEC says (STEP-2, FAIL-5)."""
+        """Each misuse raises its typed error and leaves the state as SPEC says.
+
+        STEP-2 and FAIL-5 for steps and layouts; LIFE-2 for lifecycle records in a state that
+        does not allow them (LifecycleError); LIFE-3 for a save naming a preempted request.
+        """
         before = self._quiet_snapshot()
-        if kind in ("consume twice", "consume unknown"):
+        if kind in _LIFECYCLE_MISUSE:
+            bad = self._bad_lifecycle(kind, data)
+            if bad is None:
+                return
+            outcome = self.model.start(bad)
+            if outcome is None:
+                raise ModelMismatch(f"the model accepts a bad lifecycle: {kind}")
+            self._expect({outcome}, kind, lambda: self.sut.start(bad))
+            self._show(f"refused: {kind}")
+        elif kind in ("consume twice", "consume unknown"):
             if kind == "consume twice" and self.model.consumed:
                 step_id = data.draw(st.sampled_from(sorted(self.model.consumed)))
             else:
@@ -1429,8 +1971,11 @@ class CacheMachine(RuleBasedStateMachine):
             "slot out of range",
             "hidden rows wrong",
             "hit request left out",
+            "save a preempted request",
         ):
             if kind == "hit request left out" and not self.model.hits:
+                return
+            if kind == "save a preempted request" and not self.model.preempted:
                 return
             spec = self._bad_spec(kind)
             outcomes = self.model.save_outcomes(spec)
@@ -1459,13 +2004,53 @@ class CacheMachine(RuleBasedStateMachine):
         )
         return [event, event] if kind == "started twice" else [event]
 
+    def _bad_lifecycle(
+        self, kind: str, data: st.DataObject
+    ) -> list[PrefixCacheRequestEvent] | None:
+        """Records that LIFE-2 forbids in the requests' current states; None: no such state."""
+        model = self.model
+        running, preempted = sorted(model.running), sorted(model.preempted)
+        outside = next(r for r in (*REQS, OUTSIDER) if r not in model.live)
+        kinds = PrefixCacheEventKind
+
+        def record(req_id: ReqId, kind: PrefixCacheEventKind) -> PrefixCacheRequestEvent:
+            return PrefixCacheRequestEvent(req_id=req_id, kind=kind, scheduled_tokens=1)
+
+        if kind == "resume a running request":
+            # RESUMED of a running request, or of one that is not live at all.
+            req_id = data.draw(st.sampled_from(running)) if running else outside
+            return [record(req_id, kinds.RESUMED)]
+        if kind == "preempt twice":
+            if preempted:
+                return [record(data.draw(st.sampled_from(preempted)), kinds.PREEMPTED)]
+            if running:
+                req_id = data.draw(st.sampled_from(running))
+                return [record(req_id, kinds.PREEMPTED), record(req_id, kinds.PREEMPTED)]
+            return [record(outside, kinds.PREEMPTED)]
+        if kind == "preempt after the end":
+            req_id = data.draw(st.sampled_from(running)) if running else outside
+            return [record(req_id, kinds.FINISHED), record(req_id, kinds.PREEMPTED)]
+        if kind == "start a preempted request":
+            if preempted:
+                return [record(data.draw(st.sampled_from(preempted)), kinds.STARTED)]
+            if not running:
+                return None
+            # Preempted by this very step: LIFE-2 applies the preemption first.
+            req_id = data.draw(st.sampled_from(running))
+            return [record(req_id, kinds.STARTED), record(req_id, kinds.PREEMPTED)]
+        assert kind == "start and resume in one step", kind
+        req_id = data.draw(st.sampled_from(preempted or list(REQS)))
+        return [record(req_id, kinds.STARTED), record(req_id, kinds.RESUMED)]
+
     def _bad_spec(self, kind: str) -> SaveSpec:
         live = sorted(self.model.live)
         caches_hidden = self.model.policy.needs_full_hidden_states
         keys = [MM_KEY]
         if kind == "hit request left out":
             return SaveSpec(req_ids=(), slots=())  # D10: the pending hit would vanish
-        if kind == "request not live" or not live:
+        if kind == "save a preempted request":
+            reqs, slots = (sorted(self.model.preempted)[0],), ((0,),)  # LIFE-3, D9
+        elif kind == "request not live" or not live:
             dead = next(r for r in (*REQS, OUTSIDER) if r not in self.model.live)
             reqs, slots = (dead,), ((0,),)
         elif kind == "slot out of range":

@@ -12,6 +12,9 @@ The machine gives every saved row an integer *write identity* (`row_value`). The
 it into tensor rows whose every element equals that identity, one width and dtype per key
 (`ROW_SHAPES`), and turns `materialize` results back into integers. A row whose elements differ
 (torn, mixed from two writes, stale in part) raises `DriverError`; zeros read back as ``0``.
+A materialize also reports each request's delivered positions, `StageCacheOutputs.positions`
+(DLV-7), which the machine compares with the model's, as it does the rows the adapter cut below
+each request's delivery cursor (DLV-2).
 Steps are padded now and then as under CUDA graphs (OUT-2): padding rows carry `PAD_VALUE`,
 which the model never expects. The step tensors and the slot ids are views of buffers the
 driver reuses for every save and overwrites right after it, as an engine's static buffers are
@@ -71,7 +74,14 @@ from omni_cache_core import (
     Tid,
 )
 from omni_cache_core._values import AwaitPage, AwaitTasks, EscalateTasks
-from omni_cache_core.testing import DEFERRED_KEY, MM_KEY, DriverError, Rows, SaveSpec
+from omni_cache_core.testing import (
+    DEFERRED_KEY,
+    MM_KEY,
+    Delivered,
+    DriverError,
+    Rows,
+    SaveSpec,
+)
 from omni_cache_cuda._committer import JobStage, WriteJob
 from omni_cache_cuda._layout import PrefixCacheWrite, PrefixCacheWriteLayout
 from omni_cache_cuda._manager import OmniPrefixCacheManager
@@ -494,13 +504,14 @@ class TensorDriver:
             raise result[0]
         return StepId(result[0])
 
-    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> Rows:
-        """`materialize` the step and decode every returned row to its write identity."""
+    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> Delivered:
+        """`materialize` the step; decode every returned row and take its positions (DLV-7)."""
         try:
             out = self.manager.materialize(step_id, tuple(req_ids))
         finally:
             self._settle()
-        return self._rows(out)
+        positions = {ReqId(req): (int(s), int(e)) for req, (s, e) in out.positions.items()}
+        return Delivered(self._rows(out), positions)
 
     def discard(self, step_id: StepId) -> None:
         """`discard_step` the step."""

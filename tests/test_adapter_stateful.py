@@ -18,6 +18,10 @@ What differs from the pure-core machine (tests/test_core_stateful.py):
   hook) and runs only when the machine lands a write or the adapter waits for one; failures are
   injected there (FAIL-1). A save that waits for a page runs on its own thread while the caller
   consumes a step (CONC-3).
+- Preemption and resume run through the same rules: the adapter cuts the rows below each
+  request's delivery cursor and reports the positions (DLV-2, DLV-7), checked row by row and
+  position by position. `test_life_dlv_preempt_and_resume_inline_threaded_prefetch_identical`
+  runs one scripted life in every configuration and requires the same transcript everywhere.
 - Fewer examples than the core machine (`EXAMPLES` x `STEPS`): each step runs real tensor work
   and threads, and the `ci` profile must keep this file near a minute on a busy 2-core machine.
   Failures and shutdown may come earlier in a run (`fail_after`, `shutdown_after`) so that the
@@ -34,17 +38,23 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import invariant, run_state_machine_as_test
 
-from omni_cache_core import HIDDEN_KEY, ReqId, StepId
+from omni_cache_core import HIDDEN_KEY, ReqId, StepId, TensorName
 from omni_cache_core.testing import (
     DEFERRED_KEY,
     MM_KEY,
+    CacheDriver,
     CacheMachine,
+    Delivered,
     DriverError,
+    IntPoolDriver,
     ModelMismatch,
+    ReferenceModel,
     SaveSpec,
+    row_value,
 )
 from omni_cache_cuda import (
     BadInputError,
+    DeliveryOrderError,
     ModelCachePolicy,
     OmniPrefixCacheManager,
     PrefixCacheConfig,
@@ -160,8 +170,9 @@ def test_padding_rows_never_come_back() -> None:
         values = ((HIDDEN_KEY, (11, 21)), (MM_KEY, (12, 22)), (DEFERRED_KEY, (13, 23)))
         # The first save of a driver is padded by one row, mm keys included.
         step = driver.save(SaveSpec(req_ids=(req,), slots=((0, 1),), values=values))
-        rows = driver.materialize(step, (req,))
-        assert rows == {key: {req: vals} for key, vals in values}
+        got = driver.materialize(step, (req,))
+        assert got.rows == {key: {req: vals} for key, vals in values}
+        assert got.positions == {req: (0, 2)}
     finally:
         driver.close()
 
@@ -198,6 +209,137 @@ def test_machine_catches_a_write_that_reads_the_live_slot_ids(
                 suppress_health_check=list(HealthCheck),
             ),
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption, resume and delivery: one scripted life, every configuration alike.
+
+_R0, _R1 = ReqId("r0"), ReqId("r1")
+_LIFE_CONFIG = PrefixCacheConfig(
+    num_blocks=8, block_size=2, staging_depth=4, staging_capacity_tokens=8
+)
+_LIFE_POLICY = ModelCachePolicy(deferred_keys={DEFERRED_KEY})
+
+
+def _record(
+    req_id: ReqId, kind: PrefixCacheEventKind, hit_end: int = 0, blocks: tuple[int, ...] = ()
+) -> PrefixCacheRequestEvent:
+    return PrefixCacheRequestEvent(
+        req_id=req_id, kind=kind, hit_end=hit_end, block_ids=blocks, scheduled_tokens=1
+    )
+
+
+def _life(driver: CacheDriver, model: ReferenceModel) -> list[Any]:
+    """Run one life through a driver and the model side by side; return what it handed out.
+
+    Two requests of 2-slot blocks. r0 computes [0, 4), hands out [0, 2), is preempted and
+    resumes with a hit over its blocks that stayed cached (hit_end 4 above its cursor 2: the
+    read starts at block 1, DLV-3). The resume step is refused while the step before the
+    preemption still owes r0 [2, 4) (DLV-5); after that step, the resume step hands out only
+    r0's new position 4, its hit rows cut (DLV-2). r1's step 3 is discarded and it is left out
+    of step 4 (not delivery, DLV-4); preempted and resumed, its hit serves those positions
+    again, a sparse key reading zeros where step 3 did not emit it (SLOT-4). r0 ends and its
+    id starts again: a new admission, positions from 0 (LIFE-1).
+    """
+    kinds = PrefixCacheEventKind
+    out: list[Any] = []
+    attempt = [0]
+
+    def start(*events: PrefixCacheRequestEvent) -> None:
+        assert model.start(events) is None
+        driver.start(events)
+
+    def save(runs: dict[ReqId, tuple[int, ...]], keys: tuple[TensorName, ...]) -> StepId:
+        attempt[0] += 1
+        n = sum(len(r) for r in runs.values())
+        values = tuple((k, tuple(row_value(attempt[0], i, k) for i in range(n))) for k in keys)
+        spec = SaveSpec(req_ids=tuple(runs), slots=tuple(runs.values()), values=values)
+        assert model.save_outcomes(spec) == {None}
+        step_id = driver.save(spec)
+        assert step_id == model.save(spec)
+        return step_id
+
+    def materialize(step_id: StepId, req_ids: tuple[ReqId, ...]) -> None:
+        outcome, want = model.consume(step_id, req_ids)
+        try:
+            got: Delivered = driver.materialize(step_id, req_ids)
+        except DeliveryOrderError as exc:
+            assert outcome is DeliveryOrderError
+            named = (ReqId(exc.req_id), StepId(exc.earlier_step_id), tuple(exc.gap))
+            assert named in model.refusals
+            out.append(("refused", step_id, named))
+            return
+        assert outcome is None and want is not None
+        model.check_delivery(step_id, got)
+        assert got == want, f"step {step_id}: {got} != model {want}"
+        out.append(("handed", step_id, got.positions, got.rows))
+
+    every = (HIDDEN_KEY, MM_KEY, DEFERRED_KEY)
+    start(_record(_R0, kinds.STARTED, blocks=(0, 1, 2)), _record(_R1, kinds.STARTED, blocks=(4, 5)))
+    s1 = save({_R0: (0, 1), _R1: (8,)}, every)
+    start()
+    s2 = save({_R0: (2, 3), _R1: (9,)}, every)
+    materialize(s1, (_R0, _R1))
+    start(_record(_R0, kinds.PREEMPTED))
+    s3 = save({_R1: (10,)}, (HIDDEN_KEY, DEFERRED_KEY))  # no MM_KEY: slot 10 absent there
+    start(_record(_R0, kinds.RESUMED, hit_end=4, blocks=(0, 1, 3)))
+    s4 = save({_R0: (6,), _R1: (11,)}, every)
+    materialize(s4, (_R0, _R1))  # refused: step 2 still owes r0 [2, 4)
+    driver.discard(s3)
+    assert model.consume(s3, None) == (None, None)
+    materialize(s2, (_R0, _R1))
+    materialize(s4, (_R0,))  # r0's hit rows [2, 4) cut; r1 left out
+    start(_record(_R1, kinds.PREEMPTED), _record(_R0, kinds.FINISHED))
+    start(_record(_R1, kinds.RESUMED, hit_end=4, blocks=(4, 5, 6)))
+    s5 = save({_R1: (12,)}, every)
+    materialize(s5, (_R1,))
+    start(_record(_R0, kinds.STARTED, hit_end=4, blocks=(0, 1, 7)))
+    s6 = save({_R0: (14,)}, every)
+    materialize(s6, (_R0,))
+    return out
+
+
+_LIFE_POSITIONS = [
+    {_R0: (0, 2), _R1: (0, 1)},
+    ("refused", StepId(4), (_R0, StepId(2), (2, 4))),
+    {_R0: (2, 4), _R1: (1, 2)},
+    {_R0: (4, 5)},
+    {_R1: (2, 5)},
+    {_R0: (0, 5)},
+]
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_life_dlv_preempt_and_resume_inline_threaded_prefetch_identical(threaded: bool) -> None:
+    """One life with preemptions, resumes, a late builder and a refusal, in every configuration.
+
+    Inline and threaded, prefetch on and off, the CPU adapter hands out exactly what the core
+    through the integer driver and the reference model hand out: the same positions (DLV-7),
+    each once per admission (DLV-2), the same rows (DLV-6, HIT-7), the same DLV-5 refusal; a
+    resume reads from its cursor's block (DLV-3), a discard is not delivery (DLV-4), and an ended
+    id starts again as a new admission (LIFE-1..4).
+    """
+    transcripts = []
+    for prefetch in (True, False):
+        model = ReferenceModel(_LIFE_CONFIG, _LIFE_POLICY)
+        adapter = TensorDriver(
+            _LIFE_CONFIG, _LIFE_POLICY, prefetch=prefetch, threaded=threaded, wait_s=WAIT_S
+        )
+        try:
+            transcripts.append(_life(adapter, model))
+        finally:
+            adapter.close()
+        core = IntPoolDriver(_LIFE_CONFIG, _LIFE_POLICY, prefetch=prefetch)
+        transcripts.append(_life(core, ReferenceModel(_LIFE_CONFIG, _LIFE_POLICY)))
+    assert all(t == transcripts[0] for t in transcripts[1:])
+    positions = [e if e[0] == "refused" else e[2] for e in transcripts[0]]
+    assert positions == _LIFE_POSITIONS
+    resumed = transcripts[0][4][3]  # r1's resume step: its hit served steps 3 and 4 again
+    assert resumed[MM_KEY][_R1][0] == 0  # step 3 emitted no MM_KEY: zeros (SLOT-4)
+    assert resumed[HIDDEN_KEY][_R1][:2] == (
+        row_value(3, 0, HIDDEN_KEY),
+        row_value(4, 1, HIDDEN_KEY),
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,21 +1,26 @@
 """Breadth-first exploration of every core state reachable within small bounds.
 
 Bounds: 2 pages, 2 requests ("a" computes block 0; "b" block 1 and may start with a hit on
-block 0), 2 blocks of 2 slots, at most 2 request starts, 3 saves and 8 inputs on any path, a
-clock of three values (0, 1, 2) against a 1 ns timeout, hidden states (immediate) and one
-deferred key, and a budget of 4 bytes (1 byte per row and key: a save of both requests, or one
-after a deferred write, needs a flush; a smaller budget flushes every older write to the pool
-before each save, and no save could then take a slot from a write still in flight).
+block 0), 2 blocks of 2 slots, at most 2 request starts, 1 preemption, 3 saves and 8 inputs on
+any path, a clock of three values (0, 1, 2) against a 1 ns timeout, hidden states (immediate)
+and one deferred key, and a budget of 4 bytes (1 byte per row and key: a save of both requests,
+or one after a deferred write, needs a flush; a smaller budget flushes every older write to the
+pool before each save, and no save could then take a slot from a write still in flight).
 
 From every state the explorer applies every enabled input to a copy of the core: request
-starts and finishes, saves (begun, then driven until they wait or commit), materialize and
-discard of any open step, one committer stage of any queued write (a deferred write's copy, then
-its pool write; a step write's whole pipeline, which nothing can observe half done once the
+starts, finishes (a preempted request's too) and preemptions, resumes (with no hit, or a hit on
+the other request's block), saves (begun, then driven until they wait or commit), materialize
+and discard of any open step, one committer stage of any queued write (a deferred write's copy,
+then its pool write; a step write's whole pipeline, which nothing can observe half done once the
 next barrier waits for it), a step write failing while a save waits, and the clock ticking while
 something waits. Every state reached keeps `check_invariants()`; in every state an unknown step
-id and an unaligned hit raise and change nothing; a wait that runs out changes nothing. States
-are told apart by `CacheCore.snapshot()`, the clock, the number of saves and who started; with
-nothing waiting the clock is reset to 0, since the core only compares it with deadlines.
+id, an unaligned hit and every lifecycle record LIFE-2 forbids (RESUMED of a running request,
+PREEMPTED or STARTED of a preempted one, a save naming a preempted one) raise and change
+nothing; a wait that runs out changes nothing. A materialize hands each admission every position
+at most once and never below one it handed out (DLV-2), is refused exactly when DLV-5 says, and a
+refusal changes nothing. States are told apart by `CacheCore.snapshot()`, the clock, the number
+of saves and who started or was preempted; with nothing waiting the clock is reset to 0, since
+the core only compares it with deadlines.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ import pytest
 from omni_cache_core import (
     HIDDEN_KEY,
     BadInputError,
+    DeliveryOrderError,
     HitUnreadableError,
+    LifecycleError,
     ModelCachePolicy,
     OmniPrefixCacheUnmatchError,
     PageTimeoutError,
@@ -91,6 +98,9 @@ STARTS: tuple[tuple[ReqId, int | None], ...] = (
     (ReqId("b"), None),
     (ReqId("b"), 0),
 )
+#: The request that may be preempted, and its resumes: no hit, or a hit on block 0 (DLV-3).
+PREEMPTABLE = ReqId("b")
+RESUMES: tuple[tuple[ReqId, int | None], ...] = ((PREEMPTABLE, None), (PREEMPTABLE, 0))
 #: The layouts explored, and whether the save emits the deferred key (else it is absent).
 LAYOUTS: tuple[tuple[tuple[ReqId, ...], bool], ...] = (
     ((ReqId("a"),), True),
@@ -101,6 +111,8 @@ LAYOUTS: tuple[tuple[tuple[ReqId, ...], bool], ...] = (
 )
 MAX_SAVES = 3
 MAX_STARTS = 2
+MAX_PREEMPTS = 1
+MAX_RESUMES = 1
 MAX_CLOCK = 2
 #: The longest input path explored ("bounded steps"); the copy-on-write rescue needs all 8.
 MAX_INPUTS = 8
@@ -112,18 +124,28 @@ INTERESTING = (
     "budget flush",
     "sparse absence",
     "copy-on-write rescue",
+    "preempted request",
+    "resume with a hit",
+    "resume without a hit",
+    "rows cut below the cursor",
+    "delivery order refused",
 )
 
 #: A floor under the number of distinct states, measured when the bounds were set (keeps a
-#: change that silently prunes the space from passing unnoticed).
-MIN_STATES = 15_000
+#: change that silently prunes the space from passing unnoticed): 37.3k states, 22.8k of them
+#: without the preemption (87 s and 53 s of CPU time on one core of the development machine).
+MIN_STATES = 35_000
 
 Input = tuple[Any, ...]
 
 
 @attrs.define
 class Node:
-    """One explored state: the core and what the snapshot does not hold."""
+    """One explored state: the core and what the snapshot does not hold.
+
+    `delivered` is the history of the path that first reached the state (not part of its key):
+    per admission (request and its number of starts), the positions handed out so far.
+    """
 
     core: CacheCore
     clock: int = 0
@@ -131,13 +153,40 @@ class Node:
     tids: frozenset[Tid] = frozenset()
     step_writes: frozenset[Tid] = frozenset()
     started: frozenset[ReqId] = frozenset()
+    preempts: int = 0
+    resumes: int = 0
+    admissions: dict[ReqId, int] = attrs.Factory(dict)
+    carried: dict[StepId, dict[ReqId, int]] = attrs.Factory(dict)
+    delivered: dict[tuple[ReqId, int], set[int]] = attrs.Factory(dict)
 
     def key(self) -> tuple[Any, ...]:
-        return (self.core.snapshot(), self.clock, self.saves, self.started)
+        return (
+            self.core.snapshot(),
+            self.clock,
+            self.saves,
+            self.started,
+            self.preempts,
+            self.resumes,
+        )
 
 
 def _live(core: CacheCore) -> list[ReqId]:
     return sorted(core._live)
+
+
+def _running(core: CacheCore) -> list[ReqId]:
+    return sorted(core._live.keys() - core._preempted)
+
+
+def _records(
+    *records: tuple[str, PrefixCacheEventKind, int, tuple[int, ...]], now_ns: int = 0
+) -> StartStep:
+    """One step's lifecycle records: ``(request, kind, hit_end, block_ids)`` each."""
+    events = [
+        PrefixCacheRequestEvent(req_id=r, kind=kind, hit_end=hit_end, block_ids=blocks)
+        for r, kind, hit_end, blocks in records
+    ]
+    return StartStep(step=PrefixCacheStep(events=events), now_ns=now_ns)
 
 
 def _slots(req_ids: tuple[ReqId, ...]) -> np.ndarray:
@@ -151,6 +200,7 @@ def enabled(node: Node) -> Iterator[Input]:
     if core.fatal is not None:
         return  # FAIL-1: a poisoned cache refuses every engine input; nothing left to explore
     live = _live(core)
+    running = _running(core)
     save = core._save
     if save is None:
         if len(node.started) < MAX_STARTS:
@@ -158,13 +208,20 @@ def enabled(node: Node) -> Iterator[Input]:
                 if req_id not in live and req_id not in node.started:
                     yield ("start", req_id, block)
         for req_id in live:
-            yield ("finish", req_id)
+            yield ("finish", req_id)  # LIFE-2: a preempted request may end too
+        if node.preempts < MAX_PREEMPTS and PREEMPTABLE in running:
+            yield ("preempt", PREEMPTABLE)
+        if node.resumes < MAX_RESUMES:
+            for req_id, block in RESUMES:
+                if req_id in core._preempted:
+                    yield ("resume", req_id, block)
         if node.saves < MAX_SAVES:
             hits = set(core._start_hits)
             for layout, with_deferred in LAYOUTS:
-                # D9, D10: a save names live requests only, every pending hit, no lost hit.
+                # D9, D10, LIFE-3: a save names running requests only, every pending hit, no
+                # lost hit.
                 if (
-                    set(layout) <= set(live)
+                    set(layout) <= set(running)
                     and hits <= set(layout)
                     and not core._lost_hits & set(layout)
                 ):
@@ -194,6 +251,7 @@ def apply(node: Node, inp: Input, seen: Counter[str]) -> None:
         if kind == "start":
             _, req_id, block = inp
             node.started |= {req_id}
+            node.admissions[req_id] = node.admissions.get(req_id, 0) + 1
             hit_end = 0 if block is None else CONFIG.block_size
             blocks = (HOME[req_id],) if block is None else (block, HOME[req_id])
             event = PrefixCacheRequestEvent(
@@ -204,8 +262,25 @@ def apply(node: Node, inp: Input, seen: Counter[str]) -> None:
             )
             core.start_step(StartStep(step=PrefixCacheStep(events=[event]), now_ns=node.clock))
         elif kind == "finish":
-            event = PrefixCacheRequestEvent(req_id=inp[1], kind=PrefixCacheEventKind.FINISHED)
-            core.start_step(StartStep(step=PrefixCacheStep(events=[event]), now_ns=node.clock))
+            core.start_step(
+                _records((inp[1], PrefixCacheEventKind.FINISHED, 0, ()), now_ns=node.clock)
+            )
+        elif kind == "preempt":
+            node.preempts += 1
+            core.start_step(
+                _records((inp[1], PrefixCacheEventKind.PREEMPTED, 0, ()), now_ns=node.clock)
+            )
+            seen["preempted request"] += 1
+        elif kind == "resume":
+            # LIFE-4: the request's own block to compute in, after the hit block if any.
+            _, req_id, block = inp
+            node.resumes += 1
+            hit_end = 0 if block is None else CONFIG.block_size
+            blocks = (HOME[req_id],) if block is None else (block, HOME[req_id])
+            core.start_step(
+                _records((req_id, PrefixCacheEventKind.RESUMED, hit_end, blocks), now_ns=node.clock)
+            )
+            seen["resume with a hit" if req_id in core._start_hits else "resume without a hit"] += 1
         elif kind == "save":
             _, layout, with_deferred = inp
             node.saves += 1
@@ -248,18 +323,7 @@ def apply(node: Node, inp: Input, seen: Counter[str]) -> None:
         elif kind == "fail":
             core.report(WriteFailed(tid=inp[1], reason="explored failure"))
         elif kind == "materialize":
-            step_id = inp[1]
-            req_ids, _ = core.step_slots_of(step_id)
-            try:
-                result = core.consume_begin(
-                    ConsumeBegin(step_id=step_id, req_ids=req_ids, now_ns=node.clock)
-                )
-            except (HitUnreadableError, WaitTimeoutError):
-                seen["unreadable hit"] += 1
-                return
-            # Reads are done at once (the machine explores saves during a consume).
-            assert isinstance(result, ConsumePlan), result
-            core.consume_end(ConsumeEnd(step_id=step_id))
+            _materialize(node, inp[1], seen)
         elif kind == "discard":
             core.consume_begin(ConsumeBegin(step_id=inp[1], req_ids=None, now_ns=node.clock))
         else:  # pragma: no cover - every kind is listed above
@@ -268,6 +332,64 @@ def apply(node: Node, inp: Input, seen: Counter[str]) -> None:
         # A refusal is legal only for a poisoned cache (FAIL-1); it must change nothing.
         assert core.fatal is not None, f"{inp} raised {exc!r}"
         seen["refused after a failed write"] += 1
+
+
+def _owed(core: CacheCore, step_id: StepId) -> bool:
+    """DLV-5: whether an earlier open step owes rows to a request this step would move.
+
+    A request's cursor moves when the step carries positions above it; an earlier step owes
+    rows when it carries positions of the same admission at or above the cursor.
+    """
+    step = core._steps[step_id]
+    cursor = core._admissions.cursor
+    for i, entry in enumerate(step.entries.tolist()):
+        if step.hi[i] <= cursor[entry]:
+            continue
+        for other in core._steps.values():
+            if other.step_id < step_id and not other.consuming:
+                for j, earlier in enumerate(other.entries.tolist()):
+                    if earlier == entry and other.hi[j] > max(other.lo[j], cursor[entry]):
+                        return True
+    return False
+
+
+def _materialize(node: Node, step_id: StepId, seen: Counter[str]) -> None:
+    """Materialize a whole step: refused exactly when DLV-5 says, else each position once."""
+    core = node.core
+    req_ids, _ = core.step_slots_of(step_id)
+    owed = _owed(core, step_id)
+    before = core.snapshot() if owed else None
+    try:
+        result = core.consume_begin(
+            ConsumeBegin(step_id=step_id, req_ids=req_ids, now_ns=node.clock)
+        )
+    except DeliveryOrderError:
+        assert owed, f"materialize({step_id}) refused, but no earlier step owes rows (DLV-5)"
+        assert core.snapshot() == before, "a DeliveryOrderError changed the state (DLV-5)"
+        seen["delivery order refused"] += 1
+        return
+    except (HitUnreadableError, WaitTimeoutError):
+        assert not owed, f"materialize({step_id}) not refused, but an earlier step owes rows"
+        seen["unreadable hit"] += 1
+        return
+    assert not owed, f"materialize({step_id}) not refused, but an earlier step owes rows"
+    # Reads are done at once (the machine explores saves during a consume).
+    assert isinstance(result, ConsumePlan), result
+    # DLV-2, DLV-7: per admission, each position once and never below one handed out.
+    admissions = node.carried.get(step_id, {})
+    skip = result.skip.tolist() if result.skip is not None else [0] * len(req_ids)
+    for req_id, start, end, cut in zip(
+        req_ids, result.starts.tolist(), result.ends.tolist(), skip, strict=True
+    ):
+        if cut:
+            seen["rows cut below the cursor"] += 1
+        got = node.delivered.setdefault((req_id, admissions.get(req_id, 0)), set())
+        assert start <= end and not got.intersection(range(start, end)), (
+            f"materialize({step_id}) hands {req_id} positions [{start}, {end}) again (DLV-2)"
+        )
+        assert start >= max(got, default=-1), f"{req_id}: positions below {max(got)} (DLV-2)"
+        got.update(range(start, end))
+    core.consume_end(ConsumeEnd(step_id=step_id))
 
 
 def _proceed(node: Node, seen: Counter[str]) -> None:
@@ -295,6 +417,8 @@ def _proceed(node: Node, seen: Counter[str]) -> None:
         assert isinstance(effect, AwaitTasks | AwaitPage)
         return
     published = core.save_commit(SaveCommit(now_ns=node.clock))
+    saved_ids, _ = core.step_slots_of(published.step_id)
+    node.carried[published.step_id] = {r: node.admissions.get(r, 0) for r in saved_ids}
     for eff in published.effects:
         if isinstance(eff, Tombstone):
             seen["slot stolen in flight"] += 1
@@ -310,13 +434,18 @@ def _proceed(node: Node, seen: Counter[str]) -> None:
 
 
 def _illegal_inputs_change_nothing(core: CacheCore) -> None:
-    """An unknown step id and an unaligned hit raise and leave the state as it was."""
+    """An unknown step id, an unaligned hit and illegal lifecycle records change nothing.
+
+    LIFE-2: RESUMED of a running request, PREEMPTED or STARTED of a preempted one raise
+    LifecycleError; LIFE-3: a save naming a preempted request raises BadInputError. Each must
+    raise its error; the state is compared once, after all of them (one snapshot per state).
+    """
     before = core.snapshot()
     with pytest.raises(OmniPrefixCacheUnmatchError) as info:
         core.consume_begin(ConsumeBegin(step_id=StepId(99), req_ids=(), now_ns=0))
-    if core.fatal is None and not core.closed:
+    usable = core.fatal is None and not core.closed
+    if usable:
         assert type(info.value) is UnknownStepError
-    assert core.snapshot() == before
     if core._save is None:
         bad = PrefixCacheRequestEvent(
             req_id="z", kind=PrefixCacheEventKind.STARTED, hit_end=1, block_ids=(0,)
@@ -325,7 +454,30 @@ def _illegal_inputs_change_nothing(core: CacheCore) -> None:
             core.start_step(StartStep(step=PrefixCacheStep(events=[bad]), now_ns=0))
         if core.fatal is None:
             assert type(info.value) is BadInputError
-        assert core.snapshot() == before
+    if usable and core._save is None:
+        kinds = PrefixCacheEventKind
+        illegal = [_records((r, kinds.RESUMED, 0, ())) for r in _running(core)[:1]]
+        for req_id in sorted(core._preempted)[:1]:
+            illegal.append(_records((req_id, kinds.PREEMPTED, 0, ())))
+            illegal.append(_records((req_id, kinds.STARTED, 0, ())))
+            with pytest.raises(BadInputError):
+                core.save_begin(
+                    SaveBegin(
+                        now_ns=0,
+                        req_ids=(req_id,),
+                        row_bounds=np.asarray([0, 1], dtype=np.int64),
+                        slots=np.asarray([0], dtype=np.int64),
+                        num_tokens=1,
+                        immediate_keys=(HIDDEN_KEY,),
+                        deferred_keys=(),
+                        immediate_bytes=1,
+                        deferred_bytes=0,
+                    )
+                )
+        for records in illegal:
+            with pytest.raises(LifecycleError):
+                core.start_step(records)
+    assert core.snapshot() == before, "an illegal input changed the state"
 
 
 def _step(node: Node, inp: Input, seen: Counter[str]) -> None:
@@ -351,8 +503,9 @@ def explore(clone: str = "deepcopy", max_inputs: int | None = None) -> tuple[int
         clone: How a child state is made from its parent: ``"deepcopy"`` copies the parent
             (sharing the frozen config and policy); ``"replay"`` replays the input path from a
             fresh core, so only paths wait in the queue. Measured in CPU time for the 15.9k
-            states of these bounds: deepcopy 21 s, replay 31 s (a path of up to 8 inputs costs
-            more to re-run than the core's tables, tasks and reads cost to copy).
+            states of the bounds before preemption: deepcopy 21 s, replay 31 s (a path of up
+            to 8 inputs costs more to re-run than the core's tables, tasks and reads cost to
+            copy).
         max_inputs: The longest input path explored (default `MAX_INPUTS`).
     """
     limit = MAX_INPUTS if max_inputs is None else max_inputs
@@ -386,7 +539,12 @@ def explore(clone: str = "deepcopy", max_inputs: int | None = None) -> tuple[int
 
 
 def test_every_reachable_state_keeps_the_invariants() -> None:
-    """Every state within the bounds keeps the invariants and the named states are reached."""
+    """Every state within the bounds keeps the invariants and the named states are reached.
+
+    Among them (LIFE-1..4, DLV-2, DLV-3, DLV-5): a preempted request, resumes with and without a
+    hit, rows cut below the cursor and DLV-5 refusals, each refused exactly when an earlier step
+    owes rows and changing nothing; every illegal lifecycle record raises and changes nothing.
+    """
     start, cpu = time.perf_counter(), time.process_time()
     count, seen = explore()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
