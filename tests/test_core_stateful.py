@@ -123,9 +123,9 @@ def _no_delivery_order(self: CacheCore, *args: object) -> None:
 
 
 class _SlotMachine(CacheMachine):
-    """The machine without preemption: every run spends its rules on slots and writes."""
+    """The machine without preemption and with late reads: every rule on slots and writes."""
 
-    preemption_runs = False
+    slots_only = True
 
 
 #: Per control: what it breaks, and the machine that must notice.
@@ -157,9 +157,9 @@ _BROKEN: dict[str, tuple[type, str, Callable[..., object], type[CacheMachine]]] 
 def test_machine_finds_a_broken_rule(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With one rule of the core broken on purpose, the machine finds a disagreement.
 
-    One control per parameter: HIT-6, SLOT-3 and SLOT-4 on runs without preemption; DLV-2 (a
-    consume that hands out positions below the cursor again) and DLV-5 (no order check) on the
-    machine with preemption.
+    One control per parameter: HIT-6, SLOT-3 and SLOT-4 on runs without preemption and with
+    late reads; DLV-2 (a consume that hands out positions below the cursor again) and DLV-5 (no
+    order check) on the machine with preemption.
     """
     owner, name, replacement, machine = _BROKEN[broken]
     monkeypatch.setattr(owner, name, replacement)
