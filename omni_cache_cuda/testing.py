@@ -26,10 +26,13 @@ Inline (``threaded=False``): writes run in the caller, so nothing is ever in fli
 `fail` are never called (`in_flight` is empty) and write failures are not injected.
 
 Threaded: the write-fault hook (`OmniPrefixCacheManager._inject_write_fault`) parks the
-committer before each pool write, after the copy stage. Parked and queued writes are in flight;
+committer before each pool write, after the copy stage (with ``park_early`` a write with an even
+tid parks earlier, at the first of its fault points: a piece of its deferred copy or its
+host-ready wait, D19). Parked and queued writes are in flight;
 `land(tid)` lets the committer run until that write's rows are in the pool, `fail(tid)` until
-that write fails in the hook (FAIL-1). The committer works one job at a time in queue order, so
-landing a write lands every write ahead of it. Whenever the adapter waits for writes (save
+that write fails (FAIL-1): at its pool write, or at an earlier fault point it has yet to reach
+(`fail(tid, at=...)`: its host-ready wait or a piece of its deferred copy). The committer works
+one job at a time in queue order, so landing a write lands every write ahead of it. Whenever the adapter waits for writes (save
 barrier, budget flush, hit join) the driver lets the committer run until the awaited writes are
 through, unless the save is stalled (then the wait runs out). Between calls the driver waits
 until the committer is parked or idle, so the state the machine snapshots holds still.
@@ -53,6 +56,8 @@ wake-up and the committer's pace.
 
 from __future__ import annotations
 
+import collections
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -114,50 +119,85 @@ class _InjectedFault(RuntimeError):
 
 
 class _Gate:
-    """The write-fault hook that parks the committer before each pool write.
+    """The fault hooks that park the committer: before each pool write, or earlier.
 
-    The hook runs on the committer thread with no lock of the adapter held. A job passes when
-    the driver lets it (`release`), or when the gate is open (shutdown); a doomed job raises,
-    which fails its write.
+    The hooks run on the committer thread with no lock of the adapter held. A job stops once,
+    at its pool write (after the copy stage); with ``park_early``, a job with an even tid stops
+    at the first fault point it reaches instead (a piece of its deferred copy, its host-ready
+    wait, else its pool write), so parked writes of both stages occur. It goes on when the
+    driver lets it (`release`), or when the gate is open (shutdown); a doomed job fails at the
+    fault point it was doomed at (D19), or at its pool write at the latest.
     """
 
-    def __init__(self) -> None:
+    #: The committer's fault points in the order a job meets them.
+    ORDER = ("deferred_piece", "host_ready", "pool_write")
+
+    def __init__(self, *, park_early: bool = False) -> None:
         self._cv = threading.Condition(threading.Lock())
-        #: The job parked in the hook, if any.
+        self.park_early = park_early
+        #: The job parked in a hook, if any, and the fault point it is parked at.
         self.parked: WriteJob | None = None
+        self.parked_at = "pool_write"
         #: Tids the committer must get through; it runs every job until all of them passed.
         self._until: set[Tid] = set()
-        #: Tids whose pool write fails in the hook.
-        self._doomed: set[Tid] = set()
-        #: Tids that went through the hook (written or failed there).
+        #: Doomed tids and the fault point each fails at.
+        self._target: dict[Tid, str] = {}
+        #: Tids that went through their stop (released, or failed).
         self.through: set[Tid] = set()
         #: Jobs that went through and may still be finishing.
         self.finishing: list[WriteJob] = []
+        #: Where doomed writes failed, by fault point.
+        self.failed_at: collections.Counter[str] = collections.Counter()
         self._open = False
 
     def __call__(self, job: WriteJob) -> None:
-        with self._cv:
-            self.parked = job
-            self._cv.notify_all()
-            while not (self._open or self._until or job.tid in self._doomed):
-                self._cv.wait()
-            self.parked = None
-            self._until.discard(job.tid)
-            self.through.add(job.tid)
-            self.finishing.append(job)
-            doomed = job.tid in self._doomed
-            self._doomed.discard(job.tid)
-            self._cv.notify_all()
-        if doomed:
-            raise _InjectedFault(f"injected failure of write {job.tid}")
+        """The pool-write hook."""
+        self._hook("pool_write", job)
 
-    def release(self, tids: Iterable[Tid], *, doom: bool = False) -> None:
-        """Let the committer run until these writes went through (or failed, with ``doom``)."""
+    def early(self, point: str, detail: Any) -> None:
+        """The ``host_ready`` and ``deferred_piece`` hooks (D19)."""
+        self._hook(point, detail[0] if isinstance(detail, tuple) else detail)
+
+    def _hook(self, point: str, job: WriteJob) -> None:
+        tid = job.tid
+        with self._cv:
+            if not self._fails_here(tid, point):
+                if tid in self.through or tid in self._target:
+                    return  # released, or doomed at a later point: go on
+                if point != "pool_write" and (tid % 2 or not self.park_early):
+                    return  # this job stops at its pool write
+                self.parked = job
+                self.parked_at = point
+                self._cv.notify_all()
+                while not (self._open or self._until or tid in self._target):
+                    self._cv.wait()
+                self.parked = None
+                if not self._fails_here(tid, point):
+                    self._until.discard(tid)
+                    self.through.add(tid)
+                    self.finishing.append(job)
+                    self._cv.notify_all()
+                    return
+            del self._target[tid]
+            self._until.discard(tid)
+            self.through.add(tid)
+            self.finishing.append(job)
+            self.failed_at[point] += 1
+            self._cv.notify_all()
+        raise _InjectedFault(f"injected failure of write {tid} at {point}")
+
+    def _fails_here(self, tid: Tid, point: str) -> bool:
+        target = self._target.get(tid)
+        return target is not None and (target == point or point == "pool_write")
+
+    def release(self, tids: Iterable[Tid], *, doom: bool = False, at: str = "pool_write") -> None:
+        """Let the committer run until these writes went through, or failed (``doom``) at the
+        fault point ``at`` (their pool write at the latest)."""
         with self._cv:
             todo = {tid for tid in tids if tid not in self.through}
             self._until |= todo
             if doom:
-                self._doomed |= todo
+                self._target.update(dict.fromkeys(todo, at))
             self._cv.notify_all()
 
     def hold(self) -> None:
@@ -253,6 +293,8 @@ class TensorDriver:
             or a stalled save waits before its timeout error.
         budget_scale: Bytes per budget unit: the machine's budgets count rows, the adapter's
             count bytes (a deferred row here is 32 bytes).
+        park_early: Writes with an even tid park at their first fault point rather than at
+            their pool write (threaded), so `fail` can make them fail there (D19).
     """
 
     def __init__(
@@ -265,6 +307,7 @@ class TensorDriver:
         device: str | torch.device = "cpu",
         wait_s: float = 0.05,
         budget_scale: int = 32,
+        park_early: bool = False,
     ) -> None:
         config = attrs.evolve(
             config,
@@ -291,8 +334,10 @@ class TensorDriver:
         self._slot_buffer = torch.zeros(0, dtype=torch.int64)
         self._gate: _Gate | None = None
         if self.threaded:
-            self._gate = _Gate()
+            self._gate = _Gate(park_early=park_early)
             self.manager._inject_write_fault(self._gate)
+            for point in ("host_ready", "deferred_piece"):
+                self.manager._inject_fault(point, functools.partial(self._gate.early, point))
         self._observe(self.manager._core)
         self._observe_waits()
 
@@ -542,15 +587,43 @@ class TensorDriver:
         """Run the committer until ``tid``'s rows are in the pool (and every write before it)."""
         self._through(tid, doom=False)
 
-    def fail(self, tid: Tid) -> None:
-        """Run the committer until ``tid``'s pool write, and fail that write (FAIL-1)."""
-        self._through(tid, doom=True)
+    def fail(self, tid: Tid, at: str | None = None) -> None:
+        """Run the committer until ``tid`` fails (FAIL-1): at the fault point ``at`` if the
+        write has yet to reach it (a piece of its deferred copy, its host-ready wait: D19), else
+        at its pool write."""
+        job = self.manager._jobs.get(tid)
+        gate = self._gate
+        order = list(_Gate.ORDER if job is not None and job.deferred else _Gate.ORDER[1:])
+        if gate is not None and gate.parked is not None and gate.parked.tid == tid:
+            allowed = order[order.index(gate.parked_at) :]  # where it stopped, or later
+        elif job is not None and job.stage is JobStage.QUEUED:
+            allowed = order
+        else:
+            allowed = ["pool_write"]
+        self._through(tid, doom=True, at=at if at in allowed else "pool_write")
 
-    def _through(self, tid: Tid, *, doom: bool) -> None:
+    @property
+    def failed_at(self) -> collections.Counter[str]:
+        """Where `fail` made writes fail, by fault point."""
+        return self._gate.failed_at if self._gate is not None else collections.Counter()
+
+    def early_failures(self) -> tuple[Tid, ...]:
+        """In-flight writes that can fail before their pool write (D19): those the committer has
+        not started, and the one parked at its host-ready wait or a piece of its deferred copy."""
+        gate = self._gate
+        parked = gate.parked if gate is not None and gate.parked_at != "pool_write" else None
+        return tuple(
+            tid
+            for tid in self.in_flight()
+            if (job := self.manager._jobs.get(tid)) is not None
+            and (job.stage is JobStage.QUEUED or job is parked)
+        )
+
+    def _through(self, tid: Tid, *, doom: bool, at: str = "pool_write") -> None:
         gate = self._gate
         if gate is None or tid not in self.in_flight():
             raise DriverError(f"write {tid} is not in flight")
-        gate.release((tid,), doom=doom)
+        gate.release((tid,), doom=doom, at=at)
         if not gate.wait_through(tid, _SETTLE_S):
             raise DriverError(f"write {tid} never reached the pool write")
         gate.hold()

@@ -30,13 +30,16 @@ What differs from the pure-core machine (tests/test_core_stateful.py):
 
 from __future__ import annotations
 
+import copy
 import os
+from collections import Counter
 from typing import Any, ClassVar
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import invariant, run_state_machine_as_test
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
 from omni_cache_core import HIDDEN_KEY, ReqId, StepId, TensorName
 from omni_cache_core.testing import (
@@ -55,6 +58,8 @@ from omni_cache_core.testing import (
 from omni_cache_cuda import (
     BadInputError,
     DeliveryOrderError,
+    HitUnreadableError,
+    HostAllocationError,
     ModelCachePolicy,
     OmniPrefixCacheManager,
     PrefixCacheConfig,
@@ -64,6 +69,7 @@ from omni_cache_cuda import (
     PrefixCacheWrite,
     PrefixCacheWriteLayout,
     ShutDownError,
+    StagingCopyError,
     WriteFailedError,
 )
 from omni_cache_cuda.testing import TensorDriver, _decode
@@ -126,6 +132,172 @@ class ThreadedAdapterMachine(_AdapterMachine):
     driver_factory = staticmethod(
         lambda config, policy, prefetch: ThreadedAdapterMachine._driver(config, policy, prefetch)
     )
+
+
+class FaultyAdapterMachine(ThreadedAdapterMachine):
+    """The threaded machine with the adapter's own fault points (D19) as rules of their own.
+
+    A save whose page copy fails, a reserve whose allocation or pin fails, a materialize whose
+    hit gather fails, and a write that fails at a piece of its deferred copy, its host-ready wait
+    or its pool write (writes with an even tid park before their copy lands, so they can). Each
+    ends in the error D19 names, with the model's state as it says; the machine's own rules and
+    invariants check every row before and after.
+    """
+
+    fail_after = 8
+    coverage: ClassVar[Counter[str]] = Counter()
+    driver_factory = staticmethod(
+        lambda config, policy, prefetch: TensorDriver(
+            config,
+            policy,
+            prefetch=prefetch,
+            threaded=True,
+            device="cpu",
+            wait_s=WAIT_S,
+            park_early=True,
+        )
+    )
+
+    # The adapter's own fault points (D19): a save whose page copy fails, a reserve whose
+    # allocation or pin fails, a materialize whose hit gather fails. The committer's points
+    # (host-ready wait, deferred copy piece, pool write) fail through `TensorDriver.fail`.
+
+    @precondition(lambda self: self._usable() and self.phase == "save" and self.rules_run % 4 == 2)
+    @rule(data=st.data())
+    def save_whose_page_copy_fails(self, data: st.DataObject) -> None:
+        """A save whose copy into its page fails raises StagingCopyError and leaves no trace
+        (STEP-5, D19); the engine saves the step again on a later rule."""
+        spec = self._draw_spec(data)
+        immediate = set(spec.value_map()) - set(self.model.policy.deferred_keys)
+        if not spec.num_tokens or not immediate or self.model.save_outcomes(spec) != {None}:
+            return
+        before = self._quiet_snapshot()
+        self._inject("page_copy")
+        try:
+            self._expect(
+                {StagingCopyError},
+                f"save {spec} with a failing page copy",
+                lambda: self.sut.save(spec),
+            )
+        finally:
+            self._inject("page_copy", on=False)
+        if not self.sut.save_touched:
+            self._unchanged(before, "save (StagingCopyError)")
+        self._show("fault: page_copy")
+
+    @precondition(lambda self: self._usable() and self.rules_run % 5 == 3)
+    @rule(point=st.sampled_from(["alloc", "alloc", "pin"]), skip=st.integers(0, 2))
+    def reserve_whose_storage_fails(self, point: str, skip: int) -> None:
+        """A reserve whose allocation or pin fails raises HostAllocationError, keeps nothing and
+        changes nothing; the keys the cache has stay in use (D20)."""
+        manager = self.sut.manager
+        before = self._quiet_snapshot()
+        pool, pages = dict(manager._pool.tensors), dict(manager._pages.buffers)
+        # A CPU build cannot pin: the storage is marked for pinning as on CUDA, and the hook
+        # refuses the first pin before any pinning is tried.
+        pinning = point == "pin"
+        manager._pool.pin = manager._pages.pin = pinning
+        self._inject(point, skip=0 if pinning else skip)
+        try:
+            self._expect(
+                {HostAllocationError},
+                f"reserve with a failing {point}",
+                lambda: manager.reserve(
+                    {"codes.spare": ((2, 2), torch.float32), "codes.spare2": (3, torch.int64)}
+                ),
+            )
+        finally:
+            self._inject(point, on=False)
+            manager._pool.pin = manager._pages.pin = False
+        if manager._pool.tensors != pool or manager._pages.buffers != pages:
+            raise ModelMismatch("a failed reserve kept storage")
+        self._unchanged(before, "reserve (HostAllocationError)")
+        self._show(f"fault: {point}")
+
+    @precondition(
+        lambda self: self._usable() and bool(self.model.open_step_ids()) and self.rules_run % 4 == 1
+    )
+    @rule()
+    def materialize_whose_gather_fails(self) -> None:
+        """A hit gather that fails makes that materialize raise HitUnreadableError; the step is
+        consumed and nothing delivered, as after a discard (D19). A step without hits, or one
+        the model says raises anyway, is materialized as usual."""
+        step_id = self.model.open_step_ids()[0]  # the oldest open step is never refused
+        asked = tuple(self.model.saved(step_id).spec.req_ids)
+        what = f"materialize({step_id}, {list(asked)}) with a failing gather"
+        model = copy.deepcopy(self.model)
+        outcome, want = self.model.consume(step_id, asked)
+        hook = self._inject("gather")
+        try:
+            got = self._expect(
+                {outcome, HitUnreadableError} if outcome is None else {outcome},
+                what,
+                lambda: self.sut.materialize(step_id, asked),
+            )
+        finally:
+            self._inject("gather", on=False)
+        if hook.fired:
+            if not isinstance(got, HitUnreadableError):
+                raise ModelMismatch(f"{what}: the gather failed but it returned {got!r}")
+            self.model = model
+            self.model.consume(step_id, None)  # consumed, nothing delivered
+            self._show("fault: gather")
+            return
+        if isinstance(got, HitUnreadableError) and outcome is None:
+            raise ModelMismatch(f"{what}: raised {got!r} though no gather failed")
+        if outcome is None:
+            assert want is not None
+            self.model.check_delivery(step_id, got)
+            if got.positions != want.positions or got.rows != want.rows:
+                raise ModelMismatch(f"{what}: got {got}, model {want}")
+
+    @precondition(
+        lambda self: (
+            self._usable()
+            and self.rules_run >= self.fail_after
+            and isinstance(self.driver, TensorDriver)
+            and bool(self.driver.early_failures())
+        )
+    )
+    @rule(data=st.data(), point=st.sampled_from(["host_ready", "deferred_piece", "pool_write"]))
+    def committer_fails_a_write_early(self, data: st.DataObject, point: str) -> None:
+        """A write parked before its pool write, or one the committer has not started, fails at
+        a piece of its deferred copy, its host-ready wait or its pool write: for good (FAIL-1,
+        D19)."""
+        assert isinstance(self.driver, TensorDriver)
+        tid = data.draw(st.sampled_from(self.driver.early_failures()))
+        self.driver.fail(tid, at=point)
+        self.model.failed = True
+
+    def _inject(self, point: str, *, on: bool = True, skip: int = 0) -> _OneShot:
+        """Arm a one-shot fault at ``point`` of the manager (or take it away)."""
+        hook = _OneShot(point, skip)
+        self.sut.manager._inject_fault(point, hook if on else None)
+        return hook
+
+    def teardown(self) -> None:
+        """Count where the committer's writes failed, then stop the manager's threads."""
+        if isinstance(self.driver, TensorDriver):
+            self._show(*(f"fault: {point}" for point in self.driver.failed_at))
+        super().teardown()
+
+
+class _OneShot:
+    """A fault hook that raises at its ``skip + 1``-th call only."""
+
+    def __init__(self, point: str, skip: int) -> None:
+        self.point = point
+        self.left = skip
+        self.fired = False
+
+    def __call__(self, detail: Any) -> None:
+        if self.fired:
+            return
+        if self.left:
+            self.left -= 1
+            return
+        self.fired = True
+        raise RuntimeError(f"injected {self.point} fault")
 
 
 _SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS)
@@ -400,3 +572,27 @@ def test_failed_then_shut_down_cache_says_shut_down(threaded: bool) -> None:
 
 def _fail_write() -> None:
     raise RuntimeError("pool write failed")
+
+
+#: The fault points the adapter machines reach (D19): page copy, allocation, pin and gather by
+#: their own rules, the committer's three through `TensorDriver.fail`.
+DRIVEN_FAULT_POINTS = (
+    "page_copy",
+    "alloc",
+    "pin",
+    "gather",
+    "host_ready",
+    "deferred_piece",
+    "pool_write",
+)
+
+
+def test_the_machine_drives_every_fault_point() -> None:
+    """The machine with the fault rules agrees with the model and reaches every fault point of
+    the adapter, each ending in the typed error D19 names (FAIL-1, STEP-5, D19, D20)."""
+    FaultyAdapterMachine.coverage = Counter()
+    run_state_machine_as_test(FaultyAdapterMachine, settings=_SETTINGS)
+    seen = FaultyAdapterMachine.coverage
+    reached = {point: seen[f"fault: {point}"] for point in DRIVEN_FAULT_POINTS}
+    print(f"\nfault points reached: {reached}")
+    assert all(reached.values()), f"never reached: {[p for p, n in reached.items() if not n]}"
