@@ -1162,10 +1162,7 @@ class CacheCore:
                 got="no such consume",
             )
         if not inp.delivered and step.handed is not None:
-            entries, before, after = step.handed
-            cursor = self._admissions.cursor
-            back = cursor[entries] == after
-            cursor[entries[back]] = before[back]
+            self._admissions.undeliver(*step.handed)
         self._end_step(step)
 
     def shut_down(self, inp: ShutDown) -> None:

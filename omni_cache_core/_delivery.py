@@ -125,6 +125,12 @@ class Admissions:
         self.cursor[entries] = end
         return start, end, np.minimum(start, hi) - lo
 
+    def undeliver(self, entries: Int64Array, before: Int64Array, after: Int64Array) -> None:
+        """A delivery never reached the caller: put back each cursor `deliver` moved from
+        `before` to `after`, unless another consume moved it on since (D19)."""
+        back = self.cursor[entries] == after
+        self.cursor[entries[back]] = before[back]
+
     # ---------------------------------------------------------------------------------------
     # State.
 
