@@ -1,4 +1,5 @@
-"""Shared pytest configuration: hypothesis profiles, the `gpu` marker and `make_core`.
+"""Shared pytest configuration: hypothesis profiles, the `gpu` marker, `make_core`, and the
+adapter tests' `threaded` and `make`.
 
 Profiles: `ci` (the default) is derandomized so a CI failure reproduces exactly; `nightly` runs
 many more examples. Select one with the HYPOTHESIS_PROFILE environment variable.
@@ -56,3 +57,30 @@ def make_core() -> Iterator[MakeCore]:
     yield build
     for core in cores:
         core.check_invariants()
+
+
+@pytest.fixture(params=[False, True], ids=["inline", "threaded"])
+def threaded(request: pytest.FixtureRequest) -> bool:
+    """Run the test with inline writes and with a committer thread."""
+    return bool(request.param)
+
+
+@pytest.fixture
+def make(threaded: bool) -> Iterator[Any]:
+    """Build CPU managers in the test's mode and shut them all down afterwards.
+
+    Yields ``make(**config) -> OmniPrefixCacheManager``; torch is imported only by tests that
+    ask for it.
+    """
+    from tests.adapter_helpers import make_manager
+
+    made: list[Any] = []
+
+    def build(**kwargs: Any) -> Any:
+        manager = make_manager(threaded, **kwargs)
+        made.append(manager)
+        return manager
+
+    yield build
+    for manager in made:
+        manager.shutdown()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -50,27 +50,6 @@ from tests.adapter_helpers import (
 )
 
 Make = Callable[..., OmniPrefixCacheManager]
-
-
-@pytest.fixture(params=[False, True], ids=["inline", "threaded"])
-def threaded(request: pytest.FixtureRequest) -> bool:
-    """Run the test with inline writes and with a committer thread."""
-    return bool(request.param)
-
-
-@pytest.fixture
-def make(threaded: bool) -> Iterator[Make]:
-    """Build CPU managers in the test's mode and shut them all down afterwards."""
-    made: list[OmniPrefixCacheManager] = []
-
-    def build(**kwargs: Any) -> OmniPrefixCacheManager:
-        manager = make_manager(threaded, **kwargs)
-        made.append(manager)
-        return manager
-
-    yield build
-    for manager in made:
-        manager.shutdown()
 
 
 def started(req: str, *, hit_end: int = 0, blocks: tuple[int, ...] = ()) -> PrefixCacheStep:

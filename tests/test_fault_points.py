@@ -35,12 +35,6 @@ from tests.reliability_helpers import OneShot, assert_sticky, bounded, library_t
 Make = Callable[..., OmniPrefixCacheManager]
 
 
-@pytest.fixture(params=[False, True], ids=["inline", "threaded"])
-def threaded(request: pytest.FixtureRequest) -> bool:
-    """Run the test with inline writes and with a committer thread."""
-    return bool(request.param)
-
-
 @pytest.fixture
 def make(threaded: bool) -> Iterator[Make]:
     """Build CPU managers; at the end shut them down and require their threads gone."""

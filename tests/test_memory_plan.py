@@ -7,7 +7,7 @@ with a committer thread on the CPU (nothing is pinned there; tests/gpu checks th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from omni_cache_cuda import (
     PrefixCacheConfig,
     ShutDownError,
 )
-from tests.adapter_helpers import DEF, MM, Engine, make_manager, settle
+from tests.adapter_helpers import DEF, MM, Engine, settle
 from tests.reliability_helpers import usable
 
 Make = Callable[..., OmniPrefixCacheManager]
@@ -34,20 +34,6 @@ KEYS: dict[str, tuple[Any, torch.dtype]] = {
     MM: ((3,), torch.float32),
     DEF: ((2, 2), torch.int64),
 }
-
-
-@pytest.fixture(params=[False, True], ids=["inline", "threaded"])
-def make(request: pytest.FixtureRequest) -> Iterator[Make]:
-    made: list[OmniPrefixCacheManager] = []
-
-    def build(**kwargs: Any) -> OmniPrefixCacheManager:
-        manager = make_manager(bool(request.param), **kwargs)
-        made.append(manager)
-        return manager
-
-    yield build
-    for manager in made:
-        manager.shutdown()
 
 
 def test_host_bytes_is_the_arithmetic(make: Make) -> None:
