@@ -501,6 +501,26 @@ class VllmPrefixCache:
         preempting: list[str] = []
         # Admissions and resumes: req_id -> (block list copy, computed tokens).
         joining: dict[str, tuple[list[int], int]] = {}
+
+        def join(req_id: str, kind: Any, hit: int, block_ids: list[int], scheduled: int) -> None:
+            """A request starts or resumes in this step: its record, and its blocks kept."""
+            if req_id in joining:
+                raise BadInputError(
+                    what=f"request {req_id!r}",
+                    expected="at most one new or resumed entry per step",
+                    got="two",
+                )
+            events.append(
+                PrefixCacheRequestEvent(
+                    req_id=req_id,
+                    kind=kind,
+                    hit_end=hit,
+                    block_ids=block_ids,
+                    scheduled_tokens=scheduled,
+                )
+            )
+            joining[req_id] = (block_ids, hit)
+
         started_hits = 0
         resumed_hits = 0
 
@@ -540,22 +560,7 @@ class VllmPrefixCache:
                 self._refuse_in_flight_reuse(req_id)
                 kind = _STARTED
                 started_hits += hit > 0
-            if req_id in joining:
-                raise BadInputError(
-                    what=f"request {req_id!r}",
-                    expected="at most one new or resumed entry per step",
-                    got="two",
-                )
-            events.append(
-                PrefixCacheRequestEvent(
-                    req_id=req_id,
-                    kind=kind,
-                    hit_end=hit,
-                    block_ids=block_ids,
-                    scheduled_tokens=scheduled,
-                )
-            )
-            joining[req_id] = (block_ids, hit)
+            join(req_id, kind, hit, block_ids, scheduled)
 
         cached = so.scheduled_cached_reqs
         req_ids: Sequence[str] = cached.req_ids
@@ -567,22 +572,7 @@ class VllmPrefixCache:
             block_ids = list(self._group_blocks(req_id, new_block_ids[i] or ()))
             hit = computed[i]
             resumed_hits += hit > 0
-            if req_id in joining:
-                raise BadInputError(
-                    what=f"request {req_id!r}",
-                    expected="at most one new or resumed entry per step",
-                    got="two",
-                )
-            events.append(
-                PrefixCacheRequestEvent(
-                    req_id=req_id,
-                    kind=_RESUMED,
-                    hit_end=hit,
-                    block_ids=block_ids,
-                    scheduled_tokens=sched.get(req_id, 0),
-                )
-            )
-            joining[req_id] = (block_ids, hit)
+            join(req_id, _RESUMED, hit, block_ids, sched.get(req_id, 0))
         # Every other cached request must be running here, and stay so through this step.
         running = set(req_ids)
         if resumed:
