@@ -53,6 +53,7 @@ from omni_cache_core.testing import (
     ModelMismatch,
     ReferenceModel,
     SaveSpec,
+    reach_every_case,
     row_value,
 )
 from omni_cache_cuda import (
@@ -590,9 +591,6 @@ DRIVEN_FAULT_POINTS = (
 def test_the_machine_drives_every_fault_point() -> None:
     """The machine with the fault rules agrees with the model and reaches every fault point of
     the adapter, each ending in the typed error D19 names (FAIL-1, STEP-5, D19, D20)."""
-    FaultyAdapterMachine.coverage = Counter()
-    run_state_machine_as_test(FaultyAdapterMachine, settings=_SETTINGS)
-    seen = FaultyAdapterMachine.coverage
-    reached = {point: seen[f"fault: {point}"] for point in DRIVEN_FAULT_POINTS}
-    print(f"\nfault points reached: {reached}")
-    assert all(reached.values()), f"never reached: {[p for p, n in reached.items() if not n]}"
+    cases = [f"fault: {point}" for point in DRIVEN_FAULT_POINTS]
+    seen = reach_every_case(FaultyAdapterMachine, cases, _SETTINGS)
+    print(f"\nfault points reached: { {case: seen[case] for case in cases} }")
