@@ -56,7 +56,7 @@ from omni_cache_core._contract import (
     Tid,
     WriteSchedule,
 )
-from omni_cache_core._delivery import Admissions
+from omni_cache_core._delivery import Admissions, carried_by
 from omni_cache_core._errors import (
     BadInputError,
     DeliveryOrderError,
@@ -600,7 +600,10 @@ class CacheCore:
             else:
                 del self._live[req_id]
                 self._preempted.discard(req_id)
-                admissions.end(request.entry, self._carried(request.entry))
+                admissions.end(
+                    request.entry,
+                    carried_by(request.entry, (s.entries for s in self._steps.values())),
+                )
         self._clear_start_hits()
         effects: list[Effect] = []
         hits: list[tuple[ReqId, tuple[int, ...]]] = []
@@ -1854,10 +1857,6 @@ class CacheCore:
             else:
                 limits.append((Tid(tid), task.chunks))
         return tuple(limits), error
-
-    def _carried(self, entry: int) -> bool:
-        """Whether an unended step carries an admission entry."""
-        return any(any_true(step.entries == entry) for step in self._steps.values())
 
     def _end_step(self, step: _Step) -> None:
         del self._steps[step.step_id]

@@ -20,6 +20,7 @@ positions at save and for the delivered range at consume.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Final
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy.typing as npt
 from omni_cache_core._errors import InvariantError
 from omni_cache_core._occupancy import any_true
 
-__all__ = ["Admissions"]
+__all__ = ["Admissions", "carried_by"]
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -103,7 +104,7 @@ class Admissions:
     def on_step_end(self, carried: list[Int64Array]) -> None:
         """A step ended: free the ended entries that no unended step (`carried`) holds now."""
         for entry in list(self.ended):
-            if not any(any_true(entries == entry) for entries in carried):
+            if not carried_by(entry, carried):
                 self.ended.discard(entry)
                 self._release_entry(entry)
 
@@ -203,3 +204,8 @@ class Admissions:
         self.cursor = np.concatenate([self.cursor, np.zeros(size, dtype=np.int64)])
         self.state = np.concatenate([self.state, np.zeros(size, dtype=np.int8)])
         self._free.extend(range(2 * size - 1, size - 1, -1))
+
+
+def carried_by(entry: int, step_entries: Iterable[Int64Array]) -> bool:
+    """Whether any unended step, given by its entry array, carries admission `entry`."""
+    return any(any_true(entries == entry) for entries in step_entries)
