@@ -39,12 +39,9 @@ CASES = (
     "resume hit delivered",
     "rows cut below the cursor",
     "gap passed over",
-    # "discarded positions served by a resume hit" needs a discard, then a preemption and a
-    # resume whose hit covers the discarded rows before any later step passes over them; the
-    # machine counts it when it happens but does not reach it within the ci profile's examples.
-    # tests/test_core_delivery.py::test_dlv_4_a_discarded_steps_positions_come_back_with_a_resume_hit
-    # and tests/test_adapter_resume.py::test_dlv_4_discarded_positions_come_from_a_resume_hit_or_never
-    # check it directly.
+    # A discard, then a preemption and a resume whose hit covers the discarded rows before a
+    # later step passes over them (DLV-4).
+    "discarded positions served by a resume hit",
     "delivery order refused",
     "late materialize of a preempted request",
     "late materialize of an ended admission",
