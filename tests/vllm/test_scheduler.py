@@ -11,6 +11,7 @@ module's totals: at least 50 preemptions and 20 resumes with a hit.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,11 +21,12 @@ pytest.importorskip("vllm", reason="needs vLLM: bash .ci/setup-vllm")
 from omni_cache_cuda.vllm import RequestIdReuseError
 from tests.vllm.harness import Counts, Engine, Workload
 
+#: (async scheduling, v2 model runner), the tests' indirect `mode` parameter.
 MODES = [
-    pytest.param(False, True, id="sync-v2"),
-    pytest.param(False, False, id="sync-v1"),
-    pytest.param(True, True, id="async-v2"),
-    pytest.param(True, False, id="async-v1"),
+    pytest.param((False, True), id="sync-v2"),
+    pytest.param((False, False), id="sync-v1"),
+    pytest.param((True, True), id="async-v2"),
+    pytest.param((True, False), id="async-v1"),
 ]
 SYNC_V2, SYNC_V1, ASYNC_V2, ASYNC_V1 = MODES
 
@@ -32,54 +34,60 @@ SYNC_V2, SYNC_V1, ASYNC_V2, ASYNC_V1 = MODES
 TOTAL = Counts()
 RUNS: list[str] = []
 
+#: The `run` fixture: ``run(workload, **engine) -> Counts``.
+Run = Callable[..., Counts]
 
+
+@pytest.fixture
+def mode(request: pytest.FixtureRequest) -> tuple[bool, bool]:
+    """(async scheduling, v2 model runner), from the test's indirect parameter."""
+    mode: tuple[bool, bool] = request.param
+    return mode
+
+
+@pytest.fixture
 def run(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    workload: Workload,
-    *,
-    async_scheduling: bool,
-    v2_runner: bool,
-    **engine: Any,
-) -> Counts:
-    eng = Engine(
-        async_scheduling=async_scheduling, v2_runner=v2_runner, monkeypatch=monkeypatch, **engine
-    )
-    counts = eng.run(workload)
-    TOTAL.add(counts)
-    RUNS.append(request.node.name)
-    # The oracle ran on real rows, for every admission to its end.
-    assert counts.rows_checked > 0 and counts.finished == len(eng.admissions)
-    # The records the glue fed in match what the scheduler did.
-    glue = eng.cache.counts()
-    assert glue["steps"] == counts.steps
-    assert glue["preempted"] == counts.preemptions
-    assert glue["resumed"] == counts.resumes
-    assert glue["resumed_with_hit"] == counts.resumes_with_hit
-    assert glue["started_with_hit"] == counts.started_with_hit
-    assert glue["started"] == len(eng.admissions) - counts.aborted_before_start
-    assert eng.cache.live_requests() == {}
-    assert eng.stats.steps_saved == eng.stats.steps_consumed > 0
-    if not async_scheduling:
-        assert counts.rows_past_stop == 0  # a synchronous engine never computes past a stop
-    return counts
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, mode: tuple[bool, bool]
+) -> Run:
+    """Run a workload through an engine in the test's mode and check what every run must hold;
+    extra keywords go to `harness.Engine`."""
+    async_scheduling, v2_runner = mode
+
+    def run_workload(workload: Workload, **engine: Any) -> Counts:
+        eng = Engine(
+            async_scheduling=async_scheduling,
+            v2_runner=v2_runner,
+            monkeypatch=monkeypatch,
+            **engine,
+        )
+        counts = eng.run(workload)
+        TOTAL.add(counts)
+        RUNS.append(request.node.name)
+        # The oracle ran on real rows, for every admission to its end.
+        assert counts.rows_checked > 0 and counts.finished == len(eng.admissions)
+        # The records the glue fed in match what the scheduler did.
+        glue = eng.cache.counts()
+        assert glue["steps"] == counts.steps
+        assert glue["preempted"] == counts.preemptions
+        assert glue["resumed"] == counts.resumes
+        assert glue["resumed_with_hit"] == counts.resumes_with_hit
+        assert glue["started_with_hit"] == counts.started_with_hit
+        assert glue["started"] == len(eng.admissions) - counts.aborted_before_start
+        assert eng.cache.live_requests() == {}
+        assert eng.stats.steps_saved == eng.stats.steps_consumed > 0
+        if not async_scheduling:
+            assert counts.rows_past_stop == 0  # a synchronous engine never computes past a stop
+        return counts
+
+    return run_workload
 
 
-@pytest.mark.parametrize(("async_scheduling", "v2_runner"), MODES)
-def test_shared_prefixes_and_same_step_hits(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    async_scheduling: bool,
-    v2_runner: bool,
-) -> None:
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_shared_prefixes_and_same_step_hits(run: Run) -> None:
     # Three shared 48-token prompts, eight requests arriving at once: requests of the first
     # step hit blocks their neighbours compute in that very step.
     counts = run(
-        request,
-        monkeypatch,
         Workload(num_requests=24, arrivals_per_step=8, seed=1),
-        async_scheduling=async_scheduling,
-        v2_runner=v2_runner,
         num_blocks=96,
     )
     assert counts.same_step_hits >= 1
@@ -88,20 +96,11 @@ def test_shared_prefixes_and_same_step_hits(
     assert counts.preemptions == 0
 
 
-@pytest.mark.parametrize(("async_scheduling", "v2_runner"), [SYNC_V1, ASYNC_V2])
-def test_chunked_prefill(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    async_scheduling: bool,
-    v2_runner: bool,
-) -> None:
+@pytest.mark.parametrize("mode", [SYNC_V1, ASYNC_V2], indirect=True)
+def test_chunked_prefill(run: Run) -> None:
     # Prompts of 110 to 200 tokens through a 48-token step budget.
     counts = run(
-        request,
-        monkeypatch,
         Workload(num_requests=12, prefix_len=80, suffix_len=(30, 120), arrivals_per_step=3, seed=2),
-        async_scheduling=async_scheduling,
-        v2_runner=v2_runner,
         num_blocks=128,
         max_num_batched_tokens=48,
     )
@@ -114,20 +113,11 @@ def test_chunked_prefill(
     [(False, False), (True, True)],
     ids=["inline", "threaded-deferred"],
 )
-@pytest.mark.parametrize(("async_scheduling", "v2_runner"), MODES)
-def test_kv_pressure_preemptions_and_resumes(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    async_scheduling: bool,
-    v2_runner: bool,
-    threaded: bool,
-    deferred: bool,
-) -> None:
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_kv_pressure_preemptions_and_resumes(run: Run, threaded: bool, deferred: bool) -> None:
     # Few KV blocks for long outputs: many preemptions; resumed requests hit what survived of
     # their blocks. Threaded with a deferred mm key: the preemption escalates its writes.
     counts = run(
-        request,
-        monkeypatch,
         Workload(
             num_requests=28,
             num_prefixes=4,
@@ -137,8 +127,6 @@ def test_kv_pressure_preemptions_and_resumes(
             arrivals_per_step=6,
             seed=3,
         ),
-        async_scheduling=async_scheduling,
-        v2_runner=v2_runner,
         threaded=threaded,
         deferred=deferred,
         num_blocks=36,
@@ -152,20 +140,13 @@ def test_kv_pressure_preemptions_and_resumes(
     assert counts.recycled_blocks >= 100
 
 
-@pytest.mark.parametrize(("async_scheduling", "v2_runner"), [SYNC_V2, ASYNC_V1])
-def test_resume_hits_zero_shrinking_growing_beyond_the_prompt(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    async_scheduling: bool,
-    v2_runner: bool,
-) -> None:
+@pytest.mark.parametrize("mode", [SYNC_V2, ASYNC_V1], indirect=True)
+def test_resume_hits_zero_shrinking_growing_beyond_the_prompt(run: Run) -> None:
     # Five prompts of 20 tokens shared by 40 requests of 10 to 80 output tokens, 30 blocks of
     # 8 tokens: neighbours with the same prompt generate the same tokens, so a resumed request
     # may hit far beyond its prompt; its own blocks may also all be gone (a zero hit). Some
     # requests stop early on a stop token.
     counts = run(
-        request,
-        monkeypatch,
         Workload(
             num_requests=40,
             num_prefixes=5,
@@ -176,8 +157,6 @@ def test_resume_hits_zero_shrinking_growing_beyond_the_prompt(
             stop_fraction=0.3,
             seed=7,
         ),
-        async_scheduling=async_scheduling,
-        v2_runner=v2_runner,
         block_size=8,
         num_blocks=30,
         seed=5,
@@ -191,18 +170,11 @@ def test_resume_hits_zero_shrinking_growing_beyond_the_prompt(
     assert counts.same_step_hits >= 1
 
 
-@pytest.mark.parametrize(("async_scheduling", "v2_runner"), [SYNC_V1, ASYNC_V2])
-def test_aborts_under_pressure(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    async_scheduling: bool,
-    v2_runner: bool,
-) -> None:
+@pytest.mark.parametrize("mode", [SYNC_V1, ASYNC_V2], indirect=True)
+def test_aborts_under_pressure(run: Run) -> None:
     # Unique prompts, a request aborted every fourth step or so: running, waiting and
     # preempted requests are aborted, with steps of theirs in flight under async scheduling.
     counts = run(
-        request,
-        monkeypatch,
         Workload(
             num_requests=40,
             num_prefixes=40,
@@ -214,8 +186,6 @@ def test_aborts_under_pressure(
             stop_fraction=0.5,
             seed=6,
         ),
-        async_scheduling=async_scheduling,
-        v2_runner=v2_runner,
         num_blocks=16,
         seed=5,
     )
@@ -225,18 +195,11 @@ def test_aborts_under_pressure(
     assert counts.finished_while_preempted >= 1
 
 
-@pytest.mark.parametrize(("async_scheduling", "v2_runner"), [SYNC_V2, ASYNC_V1])
-def test_request_ids_come_back(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    async_scheduling: bool,
-    v2_runner: bool,
-) -> None:
+@pytest.mark.parametrize("mode", [SYNC_V2, ASYNC_V1], indirect=True)
+def test_request_ids_come_back(run: Run) -> None:
     # Finished ids return as new requests (a new admission each), once no step naming the old
     # request is still in flight; the oracle is per admission.
     counts = run(
-        request,
-        monkeypatch,
         Workload(
             num_requests=40,
             arrivals_per_step=3,
@@ -245,8 +208,6 @@ def test_request_ids_come_back(
             abort_prob=0.1,
             seed=8,
         ),
-        async_scheduling=async_scheduling,
-        v2_runner=v2_runner,
         num_blocks=64,
         seed=6,
     )
@@ -254,33 +215,25 @@ def test_request_ids_come_back(
     assert counts.started_with_hit >= 10
 
 
-@pytest.mark.parametrize(("async_scheduling", "v2_runner"), [ASYNC_V2, ASYNC_V1])
-def test_rows_past_a_stop_token_are_delivered(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    async_scheduling: bool,
-    v2_runner: bool,
-) -> None:
+@pytest.mark.parametrize("mode", [ASYNC_V2, ASYNC_V1], indirect=True)
+def test_rows_past_a_stop_token_are_delivered(run: Run) -> None:
     # Every request may stop on STOP_TOKEN. Under async scheduling the step scheduled while
     # the stop is sampled computes the stop token's own position; its row is delivered (and
     # is what a recompute of the final tokens gives there), exactly once.
     counts = run(
-        request,
-        monkeypatch,
         Workload(num_requests=30, max_tokens=(60, 120), stop_fraction=1.0, seed=9),
-        async_scheduling=async_scheduling,
-        v2_runner=v2_runner,
         num_blocks=160,
     )
     assert counts.stopped >= 10
     assert counts.rows_past_stop >= counts.stopped // 2
 
 
-@pytest.mark.parametrize(("async_scheduling", "v2_runner"), [ASYNC_V2, ASYNC_V1])
+@pytest.mark.parametrize("mode", [ASYNC_V2, ASYNC_V1], indirect=True)
 def test_id_reuse_with_a_step_in_flight_raises(
-    monkeypatch: pytest.MonkeyPatch, async_scheduling: bool, v2_runner: bool
+    monkeypatch: pytest.MonkeyPatch, mode: tuple[bool, bool]
 ) -> None:
-    eng = Engine(async_scheduling=True, v2_runner=v2_runner, monkeypatch=monkeypatch)
+    async_scheduling, v2_runner = mode
+    eng = Engine(async_scheduling=async_scheduling, v2_runner=v2_runner, monkeypatch=monkeypatch)
     prompt = list(range(1, 40))
     eng.add_request("x", prompt, 50)
     eng.add_request("y", prompt[::-1], 50)
