@@ -30,7 +30,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FAULT_POINTS", "Faults"]
+from omni_cache_core import (
+    HitUnreadableError,
+    HostAllocationError,
+    StagingCopyError,
+    WriteFailedError,
+)
+
+__all__ = ["FAULT_ERRORS", "FAULT_POINTS", "Faults"]
 
 #: Every fault point, in the order the work happens.
 FAULT_POINTS = (
@@ -43,6 +50,19 @@ FAULT_POINTS = (
     "pool_write",
     "gather",
 )
+
+#: The error a fault at each point ends in (the table above, D19). `WriteFailedError` is the
+#: committer's: sticky (FAIL-1); the others fail only their call.
+FAULT_ERRORS: dict[str, type[Exception]] = {
+    "alloc": HostAllocationError,
+    "pin": HostAllocationError,
+    "page_copy": StagingCopyError,
+    "prefetch": HitUnreadableError,
+    "gather": HitUnreadableError,
+    "host_ready": WriteFailedError,
+    "deferred_piece": WriteFailedError,
+    "pool_write": WriteFailedError,
+}
 
 
 class Faults:

@@ -58,7 +58,6 @@ import torch
 from omni_cache_core import (
     HIDDEN_KEY,
     DeliveryOrderError,
-    HitUnreadableError,
     HostAllocationError,
     ModelCachePolicy,
     PrefixCacheConfig,
@@ -68,6 +67,7 @@ from omni_cache_core import (
     StagingCopyError,
     WriteFailedError,
 )
+from omni_cache_cuda._faults import FAULT_ERRORS
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._manager import OmniPrefixCacheManager
 from omni_cache_cuda._storage import registered_pinned_bytes
@@ -86,18 +86,7 @@ SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
 }
 _MOD = (1 << 61) - 1
 
-#: Fault kinds of the fault phase and the error each must end in.
-FAULT_KINDS: dict[str, type[BaseException]] = {
-    "alloc": HostAllocationError,
-    "pin": HostAllocationError,
-    "page_copy": StagingCopyError,
-    "prefetch": HitUnreadableError,
-    "gather": HitUnreadableError,
-    "host_ready": WriteFailedError,
-    "deferred_piece": WriteFailedError,
-    "pool_write": WriteFailedError,
-}
-_STICKY = {kind for kind, error in FAULT_KINDS.items() if error is WriteFailedError}
+_STICKY = {kind for kind, error in FAULT_ERRORS.items() if error is WriteFailedError}
 
 #: Resident memory may grow this much after warm-up (allocator and interpreter noise).
 RSS_BOUND_BYTES = 64 * 2**20
@@ -189,7 +178,7 @@ class Report:
         self.unexpected: list[str] = []
         self.counts: collections.Counter[str] = collections.Counter()
         self.faults: dict[str, collections.Counter[str]] = {
-            kind: collections.Counter() for kind in FAULT_KINDS
+            kind: collections.Counter() for kind in FAULT_ERRORS
         }
         self.step_ms = array.array("d")
         self.hangs = 0
@@ -928,7 +917,7 @@ def fault_episode(
     """One fresh manager, one fault of ``kind``; returns the steps run."""
     tally = report.faults[kind]
     tally["episodes"] += 1
-    expected = FAULT_KINDS[kind]
+    expected = FAULT_ERRORS[kind]
     manager = _manager(args)
     point = kind
     hook = OneShot(point, 0 if kind == "pin" else rng.randint(0, 1))
@@ -1170,7 +1159,7 @@ def main(argv: list[str] | None = None) -> int:
         warm.update(index=len(samples) - 1, rss=samples[-1][3], steps=clean["steps"])
     phase[0] = "faults"
     fault_steps = 0
-    kinds = list(FAULT_KINDS)
+    kinds = list(FAULT_ERRORS)
     order: list[str] = []
     episodes = 0
     while True:
@@ -1254,7 +1243,7 @@ def _print_report(
     print("faults injected, by kind: episodes / fired / ended in their typed error / rebuilds")
     for kind, tally in report.faults.items():
         print(
-            f"  {kind:<15} {FAULT_KINDS[kind].__name__:<20} {tally['episodes']:>5} "
+            f"  {kind:<15} {FAULT_ERRORS[kind].__name__:<20} {tally['episodes']:>5} "
             f"{tally['fired']:>6} {tally['raised']:>6} {tally['rebuilds']:>6}"
         )
     print(f"hangs: {report.hangs} (a call running over {HANG_S:.0f}s)")

@@ -25,15 +25,13 @@ import torch
 from omni_cache_core import TensorName, Tid
 from omni_cache_core._values import WriteFailed, WriteLanded
 from omni_cache_cuda import (
-    HitUnreadableError,
-    HostAllocationError,
     OmniPrefixCacheManager,
-    StagingCopyError,
     StepAlreadyConsumedError,
     WaitTimeoutError,
     WriteFailedError,
 )
 from omni_cache_cuda._committer import Chunk, Committer, Signal, WriteJob
+from omni_cache_cuda._faults import FAULT_ERRORS
 from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
 from tests.adapter_helpers import Engine, Workload, make_manager, settle, wait_for
 from tests.reliability_helpers import OneShot, assert_sticky, bounded, library_threads
@@ -354,26 +352,13 @@ def _raise_if(condition: bool) -> None:
         raise RuntimeError("injected pool write failure")
 
 
-#: Each fault point and the error it ends in (D19); the committer's are sticky (FAIL-1).
-FAULTS: dict[str, type[BaseException]] = {
-    "alloc": HostAllocationError,
-    "pin": HostAllocationError,
-    "page_copy": StagingCopyError,
-    "prefetch": HitUnreadableError,
-    "gather": HitUnreadableError,
-    "host_ready": WriteFailedError,
-    "deferred_piece": WriteFailedError,
-    "pool_write": WriteFailedError,
-}
-
-
-@pytest.mark.parametrize("point", sorted(FAULTS))
+@pytest.mark.parametrize("point", sorted(FAULT_ERRORS))
 def test_a_fault_at_each_point_under_the_busy_workload(point: str) -> None:
     """One fault at each point of the adapter's work, in the preempting workload with a late
     builder thread, ends in its typed error: the committer's fail the write for good (FAIL-1),
     the others fail only their call (D19). Every row served before and after is exact, no call
     hangs, and no page or thread is left behind (FAIL-3, FAIL-4)."""
-    error = FAULTS[point]
+    error = FAULT_ERRORS[point]
     sticky = error is WriteFailedError
     manager = make_manager(True, **BUSY_CACHE)
     engine = Engine(manager)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from omni_cache_cuda import OmniPrefixCacheManager, soak
+from omni_cache_cuda._faults import FAULT_ERRORS
 from omni_cache_cuda._storage import HostPool
 
 
@@ -30,7 +31,7 @@ def test_a_short_soak_passes_with_every_fault_kind(capsys: pytest.CaptureFixture
     assert "verdict: PASS" in out
     rows = int(re.search(r"rows checked: (\d+)", out).group(1))  # type: ignore[union-attr]
     assert rows > 1000
-    for kind, error in soak.FAULT_KINDS.items():
+    for kind, error in FAULT_ERRORS.items():
         line = re.search(rf"^  {kind} +{error.__name__} +(\d+) +(\d+) +(\d+)", out, re.MULTILINE)
         assert line is not None, kind
         episodes, fired, raised = map(int, line.groups())
