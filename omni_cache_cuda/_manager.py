@@ -424,16 +424,20 @@ class OmniPrefixCacheManager:
                     got="the hidden-state key",
                 )
             shape = KeyShape(tuple(features), dtype)
-            known = self._pool.shapes.get(name)
-            if known is not None and known != shape:
-                raise BadInputError(
-                    what=f"{operation} key {name!r}",
-                    expected=f"row shape {known.features} and dtype {known.dtype} as first seen "
-                    "(FAIL-5)",
-                    got=f"row shape {shape.features} and dtype {shape.dtype}",
-                )
+            self._check_first_shape(f"{operation} key {name!r}", TensorName(name), shape)
             shapes[TensorName(name)] = shape
         return shapes
+
+    def _check_first_shape(self, what: str, key: TensorName, shape: KeyShape) -> None:
+        """A key keeps the row shape and dtype it was first installed with (FAIL-5)."""
+        known = self._pool.shapes.get(key)
+        if known is not None and known != shape:
+            raise BadInputError(
+                what=what,
+                expected=f"row shape {known.features} and dtype {known.dtype} as first seen "
+                "(FAIL-5)",
+                got=f"row shape {shape.features} and dtype {shape.dtype}",
+            )
 
     def _inject_write_fault(self, fault: Any) -> None:
         """Test hook: ``fault(job)`` runs before every pool write; raising fails that write."""
@@ -815,15 +819,8 @@ class OmniPrefixCacheManager:
             if self._closed:
                 raise ShutDownError(operation="allocate host storage")
             for key, shape in shapes.items():
-                known = self._pool.shapes.get(key)
-                if known is not None and known != shape:
-                    # A reserve on another thread installed the key first (first install wins).
-                    raise BadInputError(
-                        what=f"rows of cached key {key!r}",
-                        expected=f"row shape {known.features} and dtype {known.dtype} as first "
-                        "seen (FAIL-5)",
-                        got=f"row shape {shape.features} and dtype {shape.dtype}",
-                    )
+                # A reserve on another thread may have installed the key first (first wins).
+                self._check_first_shape(f"rows of cached key {key!r}", key, shape)
             if tables:
                 try:
                     self._core.reserve_tables(shapes)
