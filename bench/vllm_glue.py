@@ -31,11 +31,18 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# The same sizes as the adapter's step benchmark, so the two tables read side by side.
+from adapter_step import BLOCK_SIZE, CAPACITY, DTYPE, MM_KEY, MM_WIDTH, NUM_BLOCKS, WIDTH
 
 from omni_cache_cuda import (
     OmniPrefixCacheManager,
@@ -45,13 +52,6 @@ from omni_cache_cuda import (
 )
 from omni_cache_cuda.vllm import VllmPrefixCache
 
-NUM_BLOCKS = 16384
-BLOCK_SIZE = 16
-WIDTH = 2048
-MM_KEY = "talker.h"
-MM_WIDTH = 16
-DTYPE = torch.bfloat16
-CAPACITY = 8192
 TARGET = 0.20
 
 
