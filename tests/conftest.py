@@ -1,8 +1,10 @@
 """Shared pytest configuration: hypothesis profiles, the `gpu` marker, `make_core`, and the
 adapter tests' `threaded` and `make`.
 
-Profiles: `ci` (the default) is derandomized so a CI failure reproduces exactly; `nightly` runs
-many more examples. Select one with the HYPOTHESIS_PROFILE environment variable.
+Profiles: `ci` (the default) is derandomized so a CI failure reproduces with the same command;
+hypothesis also draws constants from the project modules a session has loaded, so the same test
+run alone may take another path (rerun the command that failed). `nightly` runs many more
+examples. Select one with the HYPOTHESIS_PROFILE environment variable.
 """
 
 from __future__ import annotations
