@@ -15,12 +15,13 @@ from omni_cache_cuda import (
     ModelCachePolicy,
     OmniPrefixCacheManager,
     PrefixCacheConfig,
-    PrefixCacheEventKind,
     PrefixCacheRequestEvent,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
     StageCacheOutputs,
 )
+from tests import core_helpers
+from tests.core_helpers import finished
 
 BLOCK = 4
 WIDTH = 3
@@ -42,19 +43,8 @@ def config(**overrides: Any) -> PrefixCacheConfig:
 def started(
     req: str, blocks: Sequence[int], scheduled: int, hit_end: int = 0
 ) -> PrefixCacheRequestEvent:
-    """A STARTED record."""
-    return PrefixCacheRequestEvent(
-        req_id=req,
-        kind=PrefixCacheEventKind.STARTED,
-        hit_end=hit_end,
-        block_ids=list(blocks),
-        scheduled_tokens=scheduled,
-    )
-
-
-def finished(req: str) -> PrefixCacheRequestEvent:
-    """A FINISHED record."""
-    return PrefixCacheRequestEvent(req_id=req, kind=PrefixCacheEventKind.FINISHED)
+    """A STARTED record (`tests.core_helpers.started`, positional as these tests call it)."""
+    return core_helpers.started(req, hit_end=hit_end, block_ids=blocks, scheduled=scheduled)
 
 
 def step(
