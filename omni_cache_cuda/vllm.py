@@ -523,6 +523,7 @@ class VllmPrefixCache:
 
         started_hits = 0
         resumed_hits = 0
+        resumed = 0
 
         finished = so.finished_req_ids
         if finished:
@@ -537,20 +538,15 @@ class VllmPrefixCache:
                 events.append(PrefixCacheRequestEvent(req_id=req_id, kind=_PREEMPTED))
                 preempting.append(req_id)
         gone = set(ended)
-        now_preempted = (preempted_now - gone).union(preempting) if preempting else None
 
         for new in so.scheduled_new_reqs:
             req_id = new.req_id
             block_ids = list(self._group_blocks(req_id, new.block_ids))
             hit = new.num_computed_tokens
             scheduled = sched.get(req_id, 0)
-            is_preempted = (
-                req_id in now_preempted
-                if now_preempted is not None
-                else req_id in preempted_now and req_id not in gone
-            )
-            if is_preempted:  # the v2 runner's resume
-                kind = _RESUMED
+            if req_id in preempting or (req_id in preempted_now and req_id not in gone):
+                kind = _RESUMED  # the v2 runner's resume
+                resumed += 1
                 resumed_hits += hit > 0
             else:
                 if req_id in blocks and req_id not in gone:
@@ -566,17 +562,28 @@ class VllmPrefixCache:
         req_ids: Sequence[str] = cached.req_ids
         new_block_ids: Sequence[Any] = cached.new_block_ids
         computed: Sequence[int] = cached.num_computed_tokens
-        resumed: Collection[str] = cached.resumed_req_ids or ()
-        for req_id in resumed:  # the v1 runner's resume: the block list is replaced
+        resumed_ids: Collection[str] = cached.resumed_req_ids or ()
+        if not len(req_ids) == len(new_block_ids) == len(computed) or not set(resumed_ids) <= set(
+            req_ids
+        ):
+            raise BadInputError(
+                what="scheduled_cached_reqs",
+                expected="req_ids, new_block_ids and num_computed_tokens of one length, and "
+                "resumed_req_ids among req_ids",
+                got=f"lengths {len(req_ids)}, {len(new_block_ids)}, {len(computed)} and "
+                f"{len(resumed_ids)} resumed",
+            )
+        for req_id in resumed_ids:  # the v1 runner's resume: the block list is replaced
             i = req_ids.index(req_id)
             block_ids = list(self._group_blocks(req_id, new_block_ids[i] or ()))
             hit = computed[i]
+            resumed += 1
             resumed_hits += hit > 0
             join(req_id, _RESUMED, hit, block_ids, sched.get(req_id, 0))
         # Every other cached request must be running here, and stay so through this step.
         running = set(req_ids)
-        if resumed:
-            running.difference_update(resumed)
+        if resumed_ids:
+            running.difference_update(resumed_ids)
         if not running.issubset(blocks.keys()) or (
             (gone or preempting) and not running.isdisjoint(gone.union(preempting))
         ):
@@ -611,18 +618,17 @@ class VllmPrefixCache:
         self._computed.update(zip(req_ids, computed, strict=True))
         for req_id, added in extend:
             blocks[req_id].extend(added)
+        # The step's own copy of the scheduled counts, read by its save (and the reuse check).
         if self.max_concurrent_batches > 1:
-            self._in_flight.append(frozenset(sched))
-        # Read by this step's save only (vLLM builds the dict afresh every step).
-        self._step = sched
+            self._in_flight.append(step.scheduled_tokens)
+        self._step = step.scheduled_tokens
         counts = self._counts
         counts["steps"] += 1
         if events:
             counts["finished"] += len(ended)
             counts["preempted"] += len(preempting)
-            resumed_count = sum(e.kind is _RESUMED for e in events)
-            counts["resumed"] += resumed_count
-            counts["started"] += len(joining) - resumed_count
+            counts["resumed"] += resumed
+            counts["started"] += len(joining) - resumed
             counts["resumed_with_hit"] += resumed_hits
             counts["started_with_hit"] += started_hits
 
@@ -677,11 +683,7 @@ class VllmPrefixCache:
                 is unchanged.
             Others as for `OmniPrefixCacheManager.save_outputs`.
         """
-        sched = self._step
-        if sched is None:
-            raise BadInputError(
-                what="save", expected="a step_begin for this step first", got="none"
-            )
+        sched = self._current_step("save")
         if (
             isinstance(req_ids, str)
             or len(req_ids) != len(sched)
@@ -693,9 +695,7 @@ class VllmPrefixCache:
                 expected=f"the {len(sched)} requests scheduled in this step, each once",
                 got=f"{len(req_ids)} ids" if not isinstance(req_ids, str) else "a str",
             )
-        layout = PrefixCacheWriteLayout.from_block_tables(
-            req_ids, sched, self._computed, self._blocks, self.block_size
-        )
+        layout = self.layout(req_ids)
         step_id = self.manager.save_outputs(
             hidden,
             mm,
@@ -708,14 +708,15 @@ class VllmPrefixCache:
 
     def layout(self, req_ids: Sequence[str]) -> PrefixCacheWriteLayout:
         """The write layout `save` would use for the current step (for inspection and tests)."""
-        sched = self._step
-        if sched is None:
-            raise BadInputError(
-                what="layout", expected="a step_begin for this step first", got="none"
-            )
         return PrefixCacheWriteLayout.from_block_tables(
-            req_ids, sched, self._computed, self._blocks, self.block_size
+            req_ids, self._current_step("layout"), self._computed, self._blocks, self.block_size
         )
+
+    def _current_step(self, what: str) -> Mapping[str, int]:
+        """The scheduled counts of the step `step_begin` opened, which a save has not closed."""
+        if self._step is None:
+            raise BadInputError(what=what, expected="a step_begin for this step first", got="none")
+        return self._step
 
 
 def _max_concurrent_batches(vllm_config: Any) -> int:

@@ -353,10 +353,15 @@ def test_a_refused_step_changes_nothing(cache: VllmPrefixCache) -> None:
         cache.step_begin(output({"a": 1}, cached=[("a", None, 4)], spec={"a": [1]}))
     with pytest.raises(BadInputError, match="kv_cache_block_copies"):
         cache.step_begin(output({"a": 1}, cached=[("a", None, 4)], copies=[(1, 2)]))
+    # Cached-request lists of different lengths: refused before the new request b starts.
+    torn = output({"a": 1, "b": 4}, new=[new_req("b", [3])], cached=[("a", [1], 4)])
+    torn.scheduled_cached_reqs.num_computed_tokens = []
+    with pytest.raises(BadInputError, match="scheduled_cached_reqs"):
+        cache.step_begin(torn)
     assert (dict(cache._blocks), dict(cache._computed), cache.counts()) == before
-    # The engine goes on normally.
-    cache.step_begin(output({"a": 1}, cached=[("a", [1], 4)]))
-    save(cache, ["a"])
+    # The engine goes on normally, b starting now (the torn step did not start it).
+    cache.step_begin(output({"a": 1, "b": 4}, new=[new_req("b", [3])], cached=[("a", [1], 4)]))
+    save(cache, ["a", "b"])
 
 
 def test_save_needs_its_step_and_every_scheduled_request(cache: VllmPrefixCache) -> None:
