@@ -815,29 +815,33 @@ class OmniPrefixCacheManager:
                 pinned=storage.pin,
                 reason=f"{type(exc).__name__}: {exc}",
             ) from exc
-        with self._lock:
-            if self._closed:
-                raise ShutDownError(operation="allocate host storage")
-            for key, shape in shapes.items():
-                # A reserve on another thread may have installed the key first (first wins).
-                self._check_first_shape(f"rows of cached key {key!r}", key, shape)
-            if tables:
-                try:
-                    self._core.reserve_tables(shapes)
-                except MemoryError as exc:
-                    pool_storage.clear()
-                    page_storage.clear()
-                    raise HostAllocationError(
-                        key=", ".join(shapes),
-                        part="occupancy",
-                        nbytes=len(shapes) * self._core.occupancy_bytes_per_key(),
-                        pinned=False,
-                        reason=f"{type(exc).__name__}: {exc}",
-                    ) from exc
-            for key, storage in pool_storage.items():
-                self._pool.install(key, new_pool[key], storage)
-            for key, buffer in page_storage.items():
-                self._pages.install(key, buffer)
+        try:
+            with self._lock:
+                if self._closed:
+                    raise ShutDownError(operation="allocate host storage")
+                for key, shape in shapes.items():
+                    # A reserve on another thread may have installed the key first (first wins).
+                    self._check_first_shape(f"rows of cached key {key!r}", key, shape)
+                if tables:
+                    try:
+                        self._core.reserve_tables(shapes)
+                    except MemoryError as exc:
+                        raise HostAllocationError(
+                            key=", ".join(shapes),
+                            part="occupancy",
+                            nbytes=len(shapes) * self._core.occupancy_bytes_per_key(),
+                            pinned=False,
+                            reason=f"{type(exc).__name__}: {exc}",
+                        ) from exc
+                for key, storage in pool_storage.items():
+                    self._pool.install(key, new_pool[key], storage)
+                for key, buffer in page_storage.items():
+                    self._pages.install(key, buffer)
+        except BaseException:
+            # Keep nothing this call allocated: the raised error's frames would hold it alive.
+            pool_storage.clear()
+            page_storage.clear()
+            raise
         for key in dict.fromkeys((*pool_storage, *page_storage)):
             self._log_allocation(key, shapes[key], pool_storage.get(key), page_storage.get(key))
 

@@ -7,6 +7,8 @@ with a committer thread on the CPU (nothing is pinned there; tests/gpu checks th
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,39 @@ def test_reserve_of_a_key_seen_at_a_save_is_checked_against_it(make: Make) -> No
     assert manager.stats().pool_bytes == before.pool_bytes
     with pytest.raises(BadInputError, match="as first seen"):
         manager.reserve({DEF: ((4,), torch.int64)})
+    usable(manager)
+
+
+def test_a_refusal_under_the_lock_keeps_nothing_allocated(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Storage allocated for a reserve that is then refused under the lock (here: another
+    reserve installed the key first with another shape) is freed, even while the caller holds
+    the error and its frames (D20: keeps nothing)."""
+    manager = make()
+    allocated: list[weakref.ref[torch.Tensor]] = []
+    real_allocate = manager._pool.allocate
+
+    def allocate(shape: Any, key: str) -> torch.Tensor:
+        storage = real_allocate(shape, key)
+        allocated.append(weakref.ref(storage))
+        return storage
+
+    monkeypatch.setattr(manager._pool, "allocate", allocate)
+    checks = iter([None, BadInputError(what="rows", expected="first shape", got="another")])
+
+    def check_first_shape(what: str, key: str, shape: Any) -> None:
+        refusal = next(checks, None)
+        if refusal is not None:  # the second check: the one under the lock
+            raise refusal
+
+    monkeypatch.setattr(manager, "_check_first_shape", check_first_shape)
+    with pytest.raises(BadInputError) as caught:
+        manager.reserve({MM: (3, torch.float32)})
+    gc.collect()
+    assert allocated and all(ref() is None for ref in allocated), caught.value
+    assert MM not in manager._pool.tensors
+    monkeypatch.undo()
     usable(manager)
 
 
