@@ -27,6 +27,7 @@ point              where (``detail``)                          the error it ends
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from omni_cache_core import (
     WriteFailedError,
 )
 
-__all__ = ["FAULT_ERRORS", "FAULT_POINTS", "Faults"]
+__all__ = ["FAULT_ERRORS", "FAULT_POINTS", "Faults", "InjectedFault", "OneShot"]
 
 #: Every fault point, in the order the work happens.
 FAULT_POINTS = (
@@ -87,3 +88,32 @@ class Faults:
         hook = self.hooks.get(point)
         if hook is not None:
             hook(detail)
+
+
+class InjectedFault(RuntimeError):
+    """The failure a fault hook raises (the tests' hooks and the soak's)."""
+
+
+class OneShot:
+    """A fault hook that raises `InjectedFault` at its ``skip + 1``-th call, once.
+
+    `calls` holds the details of the calls up to the one that fired; later calls pass and are
+    not kept (a hook left armed through a long run holds nothing alive). `fired` is 1 once it
+    has fired.
+    """
+
+    def __init__(self, skip: int = 0) -> None:
+        self.skip = skip
+        self.calls: list[Any] = []
+        self.fired = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, detail: Any) -> None:
+        with self._lock:
+            if self.fired:
+                return
+            self.calls.append(detail)
+            if len(self.calls) <= self.skip:
+                return
+            self.fired = 1
+        raise InjectedFault(f"injected fault at call {self.skip + 1}")

@@ -67,7 +67,7 @@ from omni_cache_core import (
     StagingCopyError,
     WriteFailedError,
 )
-from omni_cache_cuda._faults import FAULT_ERRORS
+from omni_cache_cuda._faults import FAULT_ERRORS, OneShot
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._manager import OmniPrefixCacheManager
 from omni_cache_cuda._storage import registered_pinned_bytes
@@ -220,33 +220,6 @@ class Watch:
         return worst
 
 
-class InjectedFault(RuntimeError):
-    """The failure a fault hook raises."""
-
-
-class OneShot:
-    """A fault hook that raises once, at its ``skip + 1``-th call, then lets everything pass."""
-
-    def __init__(self, point: str, skip: int) -> None:
-        self.point = point
-        self.left = skip
-        self.calls = 0
-        self.fired = 0
-        self.lock = threading.Lock()
-
-    def __call__(self, detail: Any) -> None:
-        with self.lock:
-            self.calls += 1
-            if self.left < 0:
-                return
-            if self.left > 0:
-                self.left -= 1
-                return
-            self.left = -1
-            self.fired += 1
-        raise InjectedFault(f"injected {self.point} fault")
-
-
 class Builder(threading.Thread):
     """The output builder: consumes saved steps late, sometimes out of order, and checks them."""
 
@@ -279,7 +252,6 @@ class Builder(threading.Thread):
         self.expect: type[BaseException] | None = None
         self.seen: list[BaseException] = []
         self.sticky = False
-        self.consumed = 0
 
     def hand(self, items: list[Saved]) -> None:
         if items:
@@ -366,7 +338,8 @@ class Builder(threading.Thread):
             self._failed(item, exc)
             return
         self.report.count("steps materialized")
-        left_out = [r for r in item.order if r not in set(reqs)]
+        asked = set(reqs)
+        left_out = [r for r in item.order if r not in asked]
         self._check(item, reqs, out)
         self._settle(item, excuse=left_out)
 
@@ -382,7 +355,6 @@ class Builder(threading.Thread):
 
     def _settle(self, item: Saved, excuse: Any = ()) -> None:
         """The step is consumed: excuse what it carried for ``excuse``; finish admissions."""
-        self.consumed += 1
         with self.oracle_lock:
             for req in excuse:
                 lo, hi = item.carried[req]
@@ -885,10 +857,6 @@ def _manager(args: argparse.Namespace) -> OmniPrefixCacheManager:
     )
 
 
-def _reserve_all(manager: OmniPrefixCacheManager) -> None:
-    manager.reserve({key: (shape, dtype) for key, (shape, dtype) in SHAPES.items()})
-
-
 def clean_phase(
     args: argparse.Namespace,
     report: Report,
@@ -898,7 +866,7 @@ def clean_phase(
 ) -> dict[str, Any]:
     """One manager for the whole phase, its keys reserved up front, no faults."""
     manager = _manager(args)
-    _reserve_all(manager)
+    manager.reserve(SHAPES)
     engine = Engine(manager, report, watch, rng)
     while not until(engine.steps):
         error = engine.step()
@@ -919,8 +887,7 @@ def fault_episode(
     tally["episodes"] += 1
     expected = FAULT_ERRORS[kind]
     manager = _manager(args)
-    point = kind
-    hook = OneShot(point, 0 if kind == "pin" else rng.randint(0, 1))
+    hook = OneShot(0 if kind == "pin" else rng.randint(0, 1))
     pinning = kind == "pin" and not manager._cuda
     seen: list[BaseException] = []
 
@@ -928,11 +895,11 @@ def fault_episode(
         if pinning:
             # A CPU build cannot pin: the hook refuses before any pinning is tried.
             manager._pool.pin = manager._pages.pin = True
-        manager._inject_fault(point, hook)
+        manager._inject_fault(kind, hook)
         tally["armed"] += 1
 
     def disarm() -> None:
-        manager._inject_fault(point, None)
+        manager._inject_fault(kind, None)
         if pinning:
             manager._pool.pin = manager._pages.pin = False
 
@@ -940,7 +907,7 @@ def fault_episode(
     if at_reserve:
         arm()
         try:
-            _reserve_all(manager)
+            manager.reserve(SHAPES)
         except HostAllocationError as exc:
             seen.append(exc)
             stats = manager.stats()
@@ -950,7 +917,7 @@ def fault_episode(
         with manager._lock:
             manager._core.check_invariants()
         if rng.random() < 0.5:
-            _reserve_all(manager)
+            manager.reserve(SHAPES)
     engine = Engine(manager, report, watch, rng, lag=1)
     engine.plain = kind in ("prefetch", "gather")
     engine.builder.expect = expected
@@ -1018,7 +985,7 @@ def _check_sticky(
         ),
         "materialize": lambda: manager.materialize(1, []),
         "discard_step": lambda: manager.discard_step(1),
-        "reserve": lambda: _reserve_all(manager),
+        "reserve": lambda: manager.reserve(SHAPES),
     }
     for name, call in calls.items():
         try:

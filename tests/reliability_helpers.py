@@ -22,6 +22,7 @@ from omni_cache_cuda import (
     PrefixCacheWriteLayout,
     WriteFailedError,
 )
+from omni_cache_cuda._faults import InjectedFault, OneShot
 from tests.adapter_helpers import Engine, policy, settle
 
 __all__ = [
@@ -38,29 +39,6 @@ T = TypeVar("T")
 
 #: A call that has not returned after this long is a hang (no test waits anywhere near it).
 HANG_S = 60.0
-
-
-class InjectedFault(RuntimeError):
-    """The failure a test's fault hook raises."""
-
-
-class OneShot:
-    """A fault hook that raises at its ``skip + 1``-th call and lets every other call pass."""
-
-    def __init__(self, skip: int = 0) -> None:
-        self.skip = skip
-        self.calls: list[Any] = []
-        self.fired = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, detail: Any) -> None:
-        with self._lock:
-            self.calls.append(detail)
-            fire = len(self.calls) == self.skip + 1
-            if fire:
-                self.fired += 1
-        if fire:
-            raise InjectedFault(f"injected fault at call {self.skip + 1}")
 
 
 def bounded(call: Callable[[], T], what: str = "call") -> T:
