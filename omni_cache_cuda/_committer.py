@@ -203,15 +203,6 @@ class Committer:
             )
             self._thread.start()
 
-    @property
-    def fault(self) -> Callable[[WriteJob], None] | None:
-        """Test hook: called with a job before its pool write; an exception fails the job."""
-        return self.faults.hooks.get("pool_write")
-
-    @fault.setter
-    def fault(self, hook: Callable[[WriteJob], None] | None) -> None:
-        self.faults.set("pool_write", hook)
-
     # -----------------------------------------------------------------------------------------
     # Called by the manager (never under the committer's own locks).
 

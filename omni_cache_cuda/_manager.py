@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import itertools
 import logging
 import threading
@@ -82,7 +81,7 @@ from omni_cache_cuda._committer import Chunk, Committer, Signal, WriteJob
 from omni_cache_cuda._faults import Faults
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._log import BUDGET_FLUSH_LOG_INTERVAL_S, RateLimit, log, next_id
-from omni_cache_cuda._nvtx import no_ranges, ranges_for
+from omni_cache_cuda._nvtx import ranges_for
 from omni_cache_cuda._outputs import (
     DeliveredPositions,
     StageCacheOutputs,
@@ -431,13 +430,8 @@ class OmniPrefixCacheManager:
     def _check_first_shape(self, what: str, key: TensorName, shape: KeyShape) -> None:
         """A key keeps the row shape and dtype it was first installed with (FAIL-5)."""
         known = self._pool.shapes.get(key)
-        if known is not None and known != shape:
-            raise BadInputError(
-                what=what,
-                expected=f"row shape {known.features} and dtype {known.dtype} as first seen "
-                "(FAIL-5)",
-                got=f"row shape {shape.features} and dtype {shape.dtype}",
-            )
+        if known is not None:
+            known.require(what, shape)
 
     def _inject_write_fault(self, fault: Any) -> None:
         """Test hook: ``fault(job)`` runs before every pool write; raising fails that write."""
@@ -495,29 +489,19 @@ class OmniPrefixCacheManager:
             self._committer.escalate(escalate)
         for record, effect in prefetch:
             assert self._prefetcher is not None
-            pool_rows = self._pool.tensors[effect.key]
-            slots = torch.from_numpy(effect.slots)
-            gather = (
-                pool_rows.index_select
-                if self._range is no_ranges
-                else functools.partial(self._prefetch_gather, pool_rows)
+            future = self._prefetcher.submit(
+                self._prefetch_gather, effect, self._pool.tensors[effect.key]
             )
-            if "prefetch" in self._faults.hooks:
-                gather = functools.partial(self._faulty_prefetch, effect, gather)
-            record.prefetch = (effect.positions, self._prefetcher.submit(gather, 0, slots))
+            record.prefetch = (effect.positions, future)
         if escalate and not self.threaded:
             with self._lock:
                 self._drain()
 
-    def _faulty_prefetch(
-        self, effect: PrefetchRead, gather: Any, dim: int, slots: torch.Tensor
-    ) -> Any:
+    def _prefetch_gather(self, effect: PrefetchRead, pool_rows: torch.Tensor) -> torch.Tensor:
+        """On the prefetch worker: gather a hit's committed pool rows (HIT-7)."""
         self._faults.fire("prefetch", effect)
-        return gather(dim, slots)
-
-    def _prefetch_gather(self, pool_rows: torch.Tensor, dim: int, slots: torch.Tensor) -> Any:
         with self._range("omni_cache.hit_prefetch"):
-            return pool_rows.index_select(dim, slots)
+            return pool_rows.index_select(0, torch.from_numpy(effect.slots))
 
     # -----------------------------------------------------------------------------------------
     # Engine thread: save.
@@ -571,7 +555,9 @@ class OmniPrefixCacheManager:
             cached = {**parts.immediate, **parts.deferred}
             shapes: dict[TensorName, KeyShape] = {}
             for key, rows in cached.items():
-                known = self._pool.shapes.get(key)  # only this (engine) thread installs keys
+                # An early check: `_install_keys` checks again under the lock (a reserve on
+                # another thread may install the key meanwhile).
+                known = self._pool.shapes.get(key)
                 if known is None:
                     shapes[key] = KeyShape.of(rows)
                 else:
@@ -1065,17 +1051,14 @@ class OmniPrefixCacheManager:
             ShutDownError: The cache is shut down.
         """
         step_id = self._step_id(step_id, "materialize")
-        try:
-            if isinstance(req_ids, str):
-                raise TypeError("a str")
-            wanted = tuple(req_ids)
-        except TypeError:
+        wanted = None if isinstance(req_ids, str) else _as_tuple(req_ids)
+        if wanted is None:
             self._refuse_if_unusable("materialize")
             raise BadInputError(
                 what="materialize req_ids",
                 expected="a sequence of request ids",
                 got="a str" if isinstance(req_ids, str) else type(req_ids).__name__,
-            ) from None
+            )
         plan, ctx, records = self._consume(step_id, wanted)
         delivered = False
         try:
@@ -1440,3 +1423,11 @@ def _has_cuda_tensor(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_has_cuda_tensor(v) for v in value)
     return False
+
+
+def _as_tuple(items: Any) -> tuple[Any, ...] | None:
+    """``tuple(items)``, or None when `items` is not iterable."""
+    try:
+        return tuple(items)
+    except TypeError:
+        return None

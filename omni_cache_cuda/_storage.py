@@ -114,11 +114,15 @@ class KeyShape:
 
     def check(self, key: str, rows: torch.Tensor) -> None:
         """Raise when a tensor's rows do not match this key's shape (FAIL-5)."""
-        if tuple(rows.shape[1:]) != self.features or rows.dtype != self.dtype:
+        self.require(f"rows of cached key {key!r}", KeyShape.of(rows))
+
+    def require(self, what: str, other: KeyShape) -> None:
+        """Raise when `other` is not this shape, the one the key was first seen with (FAIL-5)."""
+        if other != self:
             raise BadInputError(
-                what=f"rows of cached key {key!r}",
-                expected=f"row shape {self.features} and dtype {self.dtype} as first seen",
-                got=f"row shape {tuple(rows.shape[1:])} and dtype {rows.dtype}",
+                what=what,
+                expected=f"row shape {self.features} and dtype {self.dtype} as first seen (FAIL-5)",
+                got=f"row shape {other.features} and dtype {other.dtype}",
             )
 
 

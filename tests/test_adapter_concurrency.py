@@ -297,7 +297,7 @@ def test_committer_thread_goes_on_after_a_failed_write(failure: str) -> None:
     pool, reports, committer = _bare_committer()
     key = CODES
     if failure == "raised":
-        committer.fault = lambda job: _raise_if(job.tid == 1)
+        committer.faults.set("pool_write", lambda job: _raise_if(job.tid == 1))
     jobs = []
     for tid in (1, 2, 3):
         width = 3 if (tid == 1 and failure == "bad rows") else 2
