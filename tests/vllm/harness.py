@@ -35,7 +35,7 @@ import queue
 import random
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from omni_cache_cuda import ModelCachePolicy, OmniPrefixCacheManager, PrefixCacheConfig
+from omni_cache_cuda import ModelCachePolicy
 from omni_cache_cuda.vllm import VllmPrefixCache
 
 VOCAB = 97
@@ -182,15 +182,24 @@ def make_vllm_config(
     )
 
 
-def make_kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
-    )
+def kv_config(*specs: Any, num_blocks: int = 64) -> KVCacheConfig:
+    """A KV cache config of one group per spec (no tensors: the scheduler needs none)."""
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)],
     )
+
+
+def full(block_size: int = 16) -> FullAttentionSpec:
+    """A tiny full-attention spec."""
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
+    )
+
+
+def make_kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
+    return kv_config(full(block_size), num_blocks=num_blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +248,6 @@ class Admission:
         self.delivered = collections.Counter[int]()
         self.request: Request | None = None
         self.last_hit = 0
-        self.was_preempted = False
         self.started = False
 
     def __repr__(self) -> str:
@@ -281,12 +289,9 @@ class Engine:
         max_num_batched_tokens: int = 256,
         deferred: bool = False,
         seed: int = 0,
-        monkeypatch: Any = None,
+        monkeypatch: Any,
     ) -> None:
-        if monkeypatch is not None:
-            monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
-        else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2_runner else "0"
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
         self.vllm_config = make_vllm_config(
             block_size=block_size,
             num_blocks=num_blocks,
@@ -333,7 +338,6 @@ class Engine:
         self._errors: list[BaseException] = []
         self._builder = threading.Thread(target=self._build_loop, name="output-builder")
         self._builder.start()
-        self.on_step: Callable[[Engine, Any], None] | None = None
 
     # --- requests ---
 
@@ -377,10 +381,7 @@ class Engine:
         for rid in so.preempted_req_ids or ():
             self.counts.preemptions += 1
             self.preempted.add(rid)
-            self.current[rid].was_preempted = True
         self.cache.step_begin(so)
-        if self.on_step is not None:
-            self.on_step(self, so)
         # The runner's own state, as vLLM's runners keep it.
         for rid in so.finished_req_ids:
             self.runner_tokens.pop(rid, None)
@@ -662,11 +663,3 @@ class Engine:
                 f"{adm}: computed [0, {adm.computed_end}), missing {missing[:10]}, "
                 f"extra {extra[:10]}, delivered more than once {twice[:10]}"
             )
-
-
-def manager_for(block_size: int, num_blocks: int, *, threaded: bool) -> OmniPrefixCacheManager:
-    return OmniPrefixCacheManager(
-        PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size),
-        device="cpu",
-        threaded=threaded,
-    )

@@ -11,9 +11,6 @@ pytest.importorskip("vllm", reason="needs vLLM: bash .ci/setup-vllm")
 
 import torch
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     MLAAttentionSpec,
     RSWASpec,
     SlidingWindowSpec,
@@ -21,23 +18,9 @@ from vllm.v1.kv_cache_interface import (
 
 from omni_cache_cuda import ConfigError
 from omni_cache_cuda.vllm import VllmPrefixCache
-from tests.vllm.harness import make_vllm_config
+from tests.vllm.harness import full, kv_config, make_vllm_config
 
 BS = 16
-
-
-def kv_config(*specs: Any, num_blocks: int = 64) -> KVCacheConfig:
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)],
-    )
-
-
-def full(block_size: int = BS) -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
-    )
 
 
 def sliding() -> SlidingWindowSpec:
