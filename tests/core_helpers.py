@@ -256,6 +256,11 @@ def consume(
     raise AssertionError("the consume never got its plan")
 
 
+def positions(plan: ConsumePlan) -> list[tuple[int, int]]:
+    """A consume plan's delivered ``(start, end)`` per request, as plain ints."""
+    return [(int(a), int(b)) for a, b in plan.positions.tolist()]
+
+
 def raises_unchanged(
     core: CacheCore, error: type[E], call: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> E:

@@ -42,6 +42,7 @@ from tests.core_helpers import (
     consume,
     deferred_policy,
     finished,
+    positions,
     preempted,
     raises_unchanged,
     resumed,
@@ -50,10 +51,6 @@ from tests.core_helpers import (
     start,
     started,
 )
-
-
-def _positions(plan: ConsumePlan) -> list[tuple[int, int]]:
-    return [(int(a), int(b)) for a, b in plan.positions.tolist()]
 
 
 def _skip(plan: ConsumePlan) -> list[int] | None:
@@ -85,8 +82,8 @@ def test_life_1_an_id_started_again_is_a_new_admission_while_its_old_step_is_ope
     new = save(core, [("a", blocks(1))]).step_id
     # The new admission's positions start at 0 again, and consuming it first is no gap: the
     # old step belongs to another admission (DLV-5 is per admission).
-    assert _positions(consume(core, new, ["a"])) == [(0, BLOCK)]
-    assert _positions(consume(core, old, ["a"])) == [(0, BLOCK)]
+    assert positions(consume(core, new, ["a"])) == [(0, BLOCK)]
+    assert positions(consume(core, old, ["a"])) == [(0, BLOCK)]
 
 
 def _running_a(core: Any) -> None:
@@ -178,7 +175,7 @@ def test_life_3_a_preemption_escalates_open_writes_and_keeps_its_steps_readable(
     )
     assert "preempted" in str(error) and "'a'" in str(error)
     plan = consume(core, published.step_id, ["a", "b"])
-    assert _positions(plan) == [(0, BLOCK), (0, BLOCK)]
+    assert positions(plan) == [(0, BLOCK), (0, BLOCK)]
 
 
 def test_life_4_a_resume_hit_is_checked_like_a_start(make_core: MakeCore) -> None:
@@ -207,9 +204,9 @@ def test_dlv_1_positions_start_at_hit_end_and_grow_by_the_saved_rows(make_core: 
     start(core, started("b", hit_end=BLOCK, block_ids=(0, 1)))
     hit = save(core, [("a", [8]), ("b", [4, 5])]).step_id
     after = save(core, [("a", [9]), ("b", [6])]).step_id
-    assert _positions(consume(core, first, ["a"])) == [(0, BLOCK)]
-    assert _positions(consume(core, hit, ["a", "b"])) == [(BLOCK, BLOCK + 1), (0, BLOCK + 2)]
-    assert _positions(consume(core, after, ["b", "a"])) == [(BLOCK + 2, BLOCK + 3), (5, 6)]
+    assert positions(consume(core, first, ["a"])) == [(0, BLOCK)]
+    assert positions(consume(core, hit, ["a", "b"])) == [(BLOCK, BLOCK + 1), (0, BLOCK + 2)]
+    assert positions(consume(core, after, ["b", "a"])) == [(BLOCK + 2, BLOCK + 3), (5, 6)]
 
 
 def _delivered_two_blocks(core: Any) -> None:
@@ -231,7 +228,7 @@ def test_dlv_2_a_resume_below_the_cursor_hands_out_only_new_positions(
     assert effects == (), "a hit below the cursor opens no read (DLV-3)"
     published = save(core, [("a", [*blocks(5), 24, 25])])
     plan = consume(core, published.step_id, ["a"])
-    assert _positions(plan) == [(2 * BLOCK, 2 * BLOCK + 2)]
+    assert positions(plan) == [(2 * BLOCK, 2 * BLOCK + 2)]
     assert _skip(plan) == [BLOCK], "the recomputed rows of positions 4..7 are cut"
     assert plan.reads == ()
     # The recomputed rows still went to the pool: they are the slots' newest tenant.
@@ -255,7 +252,7 @@ def test_dlv_3_a_resume_above_the_cursor_reads_from_the_cursor_block(
     for step_id in steps[1:]:
         consume(core, step_id)  # discarded: positions 4..11 not delivered
     plan = consume(core, resume, ["a"])
-    assert _positions(plan) == [(BLOCK, 3 * BLOCK + 1)]
+    assert positions(plan) == [(BLOCK, 3 * BLOCK + 1)]
     assert _skip(plan) is None
     assert _hidden_read(plan, "a").slots.tolist() == blocks(1) + blocks(2)
     assert core.counters.hit_requests == 1
@@ -280,11 +277,11 @@ def test_dlv_3_steps_from_before_a_resume_deliver_first_then_the_resume_hands_ou
         ConsumeBegin(step_id=resume, req_ids=(ReqId("a"),), now_ns=0),
     )
     assert (error.earlier_step_id, error.gap) == (steps[1], (BLOCK, 2 * BLOCK))
-    assert _positions(consume(core, steps[1], ["a"])) == [(BLOCK, 2 * BLOCK)]
-    assert _positions(consume(core, steps[2], ["a"])) == [(2 * BLOCK, 3 * BLOCK)]
+    assert positions(consume(core, steps[1], ["a"])) == [(BLOCK, 2 * BLOCK)]
+    assert positions(consume(core, steps[2], ["a"])) == [(2 * BLOCK, 3 * BLOCK)]
     plan = consume(core, resume, ["a"])
     # The step carries hit rows 4..7 and own rows 8..12; all but position 12 were delivered.
-    assert _positions(plan) == [(3 * BLOCK, 3 * BLOCK + 1)]
+    assert positions(plan) == [(3 * BLOCK, 3 * BLOCK + 1)]
     assert _skip(plan) == [2 * BLOCK]
 
 
@@ -298,7 +295,7 @@ def test_dlv_3_a_resume_at_or_below_the_cursor_opens_no_hit(make_core: MakeCore,
     rows = 3 * BLOCK - hit
     slots = (blocks(0) + blocks(1) + blocks(5))[hit:]
     plan = consume(core, save(core, [("a", slots)]).step_id, ["a"])
-    assert _positions(plan) == [(2 * BLOCK, 3 * BLOCK)]
+    assert positions(plan) == [(2 * BLOCK, 3 * BLOCK)]
     assert _skip(plan) == ([2 * BLOCK - hit] if hit < 2 * BLOCK else None)
     assert rows == len(slots)
     assert core.counters.hit_requests == 0
@@ -316,7 +313,7 @@ def test_dlv_3_a_resume_hit_beyond_what_was_computed_before_is_served(
     start(core, preempted("a"))
     start(core, resumed("a", hit_end=2 * BLOCK, block_ids=(3, 4, 5)))
     plan = consume(core, save(core, [("a", [20])]).step_id, ["a"])
-    assert _positions(plan) == [(0, 2 * BLOCK + 1)]
+    assert positions(plan) == [(0, 2 * BLOCK + 1)]
     assert _hidden_read(plan, "a").slots.tolist() == blocks(3) + blocks(4)
 
 
@@ -334,7 +331,7 @@ def test_dlv_4_a_discarded_steps_positions_come_back_with_a_resume_hit(
     start(core, preempted("a"))
     start(core, resumed("a", hit_end=2 * BLOCK, block_ids=(0, 1, 2)))
     plan = consume(core, save(core, [("a", [8])]).step_id, ["a"])
-    assert _positions(plan) == [(BLOCK, 2 * BLOCK + 1)]
+    assert positions(plan) == [(BLOCK, 2 * BLOCK + 1)]
     assert _hidden_read(plan, "a").slots.tolist() == blocks(1)
 
 
@@ -349,7 +346,7 @@ def test_dlv_4_otherwise_discarded_positions_are_passed_over(make_core: MakeCore
     consume(core, second)  # discarded
     third = save(core, [("a", [10]), ("b", [11])]).step_id
     plan = consume(core, third, ["a", "b"])
-    assert _positions(plan) == [(BLOCK + 1, BLOCK + 2), (BLOCK + 1, BLOCK + 2)]
+    assert positions(plan) == [(BLOCK + 1, BLOCK + 2), (BLOCK + 1, BLOCK + 2)]
 
 
 def test_dlv_5_a_gap_an_earlier_step_carries_is_refused_and_changes_nothing(
@@ -378,9 +375,9 @@ def test_dlv_5_a_gap_an_earlier_step_carries_is_refused_and_changes_nothing(
     assert f"step {first}" in str(error) and "'a'" in str(error)
     # b alone has no gap in that step; the refusal did not consume it.
     assert core.open_step_ids == (first, second, third)
-    assert _positions(consume(core, first, ["a"])) == [(0, BLOCK)]
-    assert _positions(consume(core, second, ["a", "b"])) == [(BLOCK, 2 * BLOCK), (0, BLOCK)]
-    assert _positions(consume(core, third, ["b"])) == [(BLOCK, 2 * BLOCK)]
+    assert positions(consume(core, first, ["a"])) == [(0, BLOCK)]
+    assert positions(consume(core, second, ["a", "b"])) == [(BLOCK, 2 * BLOCK), (0, BLOCK)]
+    assert positions(consume(core, third, ["b"])) == [(BLOCK, 2 * BLOCK)]
 
 
 def test_dlv_5_an_earlier_step_that_owes_nothing_does_not_refuse(make_core: MakeCore) -> None:
@@ -392,8 +389,8 @@ def test_dlv_5_an_earlier_step_that_owes_nothing_does_not_refuse(make_core: Make
     empty = save(core, [("a", []), ("b", blocks(1))]).step_id  # a scheduled for 0 tokens
     third = save(core, [("a", [8])]).step_id
     consume(core, first)  # discarded
-    assert _positions(consume(core, third, ["a"])) == [(BLOCK, BLOCK + 1)]
-    assert _positions(consume(core, empty, ["a", "b"])) == [(BLOCK + 1, BLOCK + 1), (0, BLOCK)]
+    assert positions(consume(core, third, ["a"])) == [(BLOCK, BLOCK + 1)]
+    assert positions(consume(core, empty, ["a", "b"])) == [(BLOCK + 1, BLOCK + 1), (0, BLOCK)]
 
 
 def test_dlv_5_a_step_without_rows_does_not_pass_over_what_an_earlier_step_owes(
@@ -412,8 +409,8 @@ def test_dlv_5_a_step_without_rows_does_not_pass_over_what_an_earlier_step_owes(
         ConsumeBegin(step_id=idle, req_ids=(ReqId("a"),), now_ns=0),
     )
     assert (error.earlier_step_id, error.gap) == (owing, (0, BLOCK))
-    assert _positions(consume(core, owing, ["a"])) == [(0, BLOCK)]
-    assert _positions(consume(core, idle, ["a"])) == [(BLOCK, BLOCK)]
+    assert positions(consume(core, owing, ["a"])) == [(0, BLOCK)]
+    assert positions(consume(core, idle, ["a"])) == [(BLOCK, BLOCK)]
 
 
 def test_dlv_5_a_discard_of_a_later_step_is_never_refused(make_core: MakeCore) -> None:
@@ -423,7 +420,7 @@ def test_dlv_5_a_discard_of_a_later_step_is_never_refused(make_core: MakeCore) -
     first = save(core, [("a", blocks(0))]).step_id
     second = save(core, [("a", blocks(1))]).step_id
     assert consume(core, second).discard
-    assert _positions(consume(core, first, ["a"])) == [(0, BLOCK)]
+    assert positions(consume(core, first, ["a"])) == [(0, BLOCK)]
 
 
 def test_dlv_2_a_whole_life_with_preemptions_hands_out_every_position_once(
@@ -486,7 +483,7 @@ def test_dlv_2_a_whole_life_with_preemptions_hands_out_every_position_once(
                 skipped.update(range(lo, hi))
                 continue
             plan = consume(core, step_id, ["a"])
-            ((begin, end),) = _positions(plan)
+            ((begin, end),) = positions(plan)
             delivered.extend(range(begin, end))
     assert kinds >= {"zero", "below", "above"} and skipped, (kinds, skipped)
     assert len(delivered) == len(set(delivered)), "a position was handed out twice"

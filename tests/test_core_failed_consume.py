@@ -14,16 +14,13 @@ from tests.core_helpers import (
     MakeCore,
     blocks,
     consume,
+    positions,
     preempted,
     resumed,
     save,
     start,
     started,
 )
-
-
-def _positions(plan: object) -> list[tuple[int, int]]:
-    return [(int(a), int(b)) for a, b in plan.positions.tolist()]  # type: ignore[attr-defined]
 
 
 def test_a_failed_build_puts_the_cursor_back(make_core: MakeCore) -> None:
@@ -34,7 +31,7 @@ def test_a_failed_build_puts_the_cursor_back(make_core: MakeCore) -> None:
     second = save(core, [("a", blocks(1))]).step_id
     consume(core, first, ["a"])
     plan = consume(core, second, ["a"], end=False)
-    assert _positions(plan) == [(BLOCK, 2 * BLOCK)]
+    assert positions(plan) == [(BLOCK, 2 * BLOCK)]
     before = core.snapshot()
     core.consume_end(ConsumeEnd(step_id=second, delivered=False))
     assert core.snapshot() != before
@@ -42,7 +39,7 @@ def test_a_failed_build_puts_the_cursor_back(make_core: MakeCore) -> None:
     start(core, resumed("a", hit_end=2 * BLOCK, block_ids=(0, 1, 2)))
     resume = save(core, [("a", [8])]).step_id
     # The cursor is back at 4: the resume's hit hands out 4..7 again, then its own row 8.
-    assert _positions(consume(core, resume, ["a"])) == [(BLOCK, 2 * BLOCK + 1)]
+    assert positions(consume(core, resume, ["a"])) == [(BLOCK, 2 * BLOCK + 1)]
 
 
 def test_a_delivered_end_keeps_the_cursor(make_core: MakeCore) -> None:
@@ -57,7 +54,7 @@ def test_a_delivered_end_keeps_the_cursor(make_core: MakeCore) -> None:
     start(core, preempted("a"))
     start(core, resumed("a", hit_end=2 * BLOCK, block_ids=(0, 1, 2)))
     resume = save(core, [("a", [8])]).step_id
-    assert _positions(consume(core, resume, ["a"])) == [(2 * BLOCK, 2 * BLOCK + 1)]
+    assert positions(consume(core, resume, ["a"])) == [(2 * BLOCK, 2 * BLOCK + 1)]
 
 
 def test_a_cursor_moved_on_since_stays(make_core: MakeCore) -> None:
@@ -67,10 +64,10 @@ def test_a_cursor_moved_on_since_stays(make_core: MakeCore) -> None:
     first = save(core, [("a", blocks(0))]).step_id
     second = save(core, [("a", blocks(1))]).step_id
     consume(core, first, ["a"], end=False)  # reading: cursor 4
-    assert _positions(consume(core, second, ["a"])) == [(BLOCK, 2 * BLOCK)]  # cursor 8
+    assert positions(consume(core, second, ["a"])) == [(BLOCK, 2 * BLOCK)]  # cursor 8
     core.consume_end(ConsumeEnd(step_id=first, delivered=False))
     start(core, preempted("a"))
     start(core, resumed("a", hit_end=2 * BLOCK, block_ids=(0, 1, 2)))
     resume = save(core, [("a", [8])]).step_id
     # The cursor stayed at 8: no hit, the own row 8 only (at 0 it would serve 0..8).
-    assert _positions(consume(core, resume, [ReqId("a")])) == [(2 * BLOCK, 2 * BLOCK + 1)]
+    assert positions(consume(core, resume, [ReqId("a")])) == [(2 * BLOCK, 2 * BLOCK + 1)]
