@@ -42,11 +42,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The same sizes as the adapter's step benchmark, so the two tables read side by side.
-from adapter_step import BLOCK_SIZE, CAPACITY, DTYPE, MM_KEY, MM_WIDTH, NUM_BLOCKS, WIDTH
+from adapter_step import (
+    BLOCK_SIZE,
+    CAPACITY,
+    DTYPE,
+    MM_KEY,
+    MM_WIDTH,
+    NUM_BLOCKS,
+    WIDTH,
+    make_manager,
+)
 
 from omni_cache_cuda import (
-    OmniPrefixCacheManager,
-    PrefixCacheConfig,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
@@ -68,7 +75,6 @@ def output(
     req_ids, new_block_ids, computed = cached
     return SimpleNamespace(
         num_scheduled_tokens=sched,
-        total_num_scheduled_tokens=sum(sched.values()),
         scheduled_new_reqs=new,
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=req_ids,
@@ -117,7 +123,7 @@ def decode_steps(n: int, rng: random.Random) -> tuple[list[Step], list[Step]]:
         new_block_ids: list[Any] = []
         for r in ids:
             if computed[r] // BLOCK_SIZE >= len(blocks[r]):
-                added = [next(next_block) % NUM_BLOCKS]
+                added = [next(next_block)]
                 blocks[r].extend(added)
                 new_block_ids.append((added,))
             else:
@@ -185,18 +191,17 @@ class _NoCache:
         pass
 
 
-def make_manager() -> OmniPrefixCacheManager:
-    config = PrefixCacheConfig(
-        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, staging_capacity_tokens=CAPACITY
-    )
-    return OmniPrefixCacheManager(config, device="cpu", threaded=False)
+def stub_glue(stub: _NoCache) -> VllmPrefixCache:
+    """A glue over `stub` instead of a manager (the real one only configures it)."""
+    glue = VllmPrefixCache(make_manager(False), block_size=BLOCK_SIZE)
+    glue.manager.shutdown()
+    glue.manager = stub  # type: ignore[assignment]
+    return glue
 
 
 def glue_round(setup: list[Step], steps: list[Step], warmup: int) -> list[float]:
     """The glue's step_begin + save (layout included) per step, manager stubbed out."""
-    glue = VllmPrefixCache(make_manager(), block_size=BLOCK_SIZE)
-    glue.manager.shutdown()
-    glue.manager = _NoCache()  # type: ignore[assignment]
+    glue = stub_glue(_NoCache())
     hidden = torch.zeros(CAPACITY, 1)
     samples = []
     for i, step in enumerate(setup + steps):
@@ -211,8 +216,6 @@ def glue_round(setup: list[Step], steps: list[Step], warmup: int) -> list[float]
 
 def recorded(setup: list[Step], steps: list[Step]) -> list[tuple[PrefixCacheStep, Any]]:
     """The records and layouts the glue builds for each step, kept for the manager's run."""
-    glue = VllmPrefixCache(make_manager(), block_size=BLOCK_SIZE)
-    glue.manager.shutdown()
     seen: list[tuple[PrefixCacheStep, Any]] = []
 
     class Recorder(_NoCache):
@@ -223,7 +226,7 @@ def recorded(setup: list[Step], steps: list[Step]) -> list[tuple[PrefixCacheStep
             seen[-1] = (seen[-1][0], write_layout)
             return super().save_outputs()
 
-    glue.manager = Recorder()  # type: ignore[assignment]
+    glue = stub_glue(Recorder())
     hidden = torch.zeros(CAPACITY, 1)
     for step in setup + steps:
         glue.step_begin(step.so)
@@ -238,7 +241,7 @@ def manager_round(
     hidden = torch.randn(CAPACITY, WIDTH).to(DTYPE)
     mm = torch.randn(CAPACITY, MM_WIDTH).to(DTYPE)
     samples = []
-    with make_manager() as manager:
+    with make_manager(False) as manager:
         for i, (step, layout) in enumerate(records):
             n = layout.num_rows
             t0 = time.thread_time()
