@@ -1389,6 +1389,9 @@ class OmniPrefixCacheManager:
             self._drain(raise_fatal=False)
             core = self._core
             counters = core.counters
+            pool_bytes, staging_bytes = self._pool.nbytes(), self._pages.nbytes()
+            # On CUDA every key's storage is pinned (a pin that fails raises); on the CPU none.
+            pinned = pool_bytes + staging_bytes if self._cuda else 0
             return CacheStats(
                 steps_saved=counters.steps_saved,
                 steps_consumed=counters.steps_consumed,
@@ -1406,12 +1409,10 @@ class OmniPrefixCacheManager:
                 pages_in_use=core.pages_in_use,
                 budget_bytes_in_use=core.budget_used,
                 occupancy_bytes=core.occupancy_metadata_bytes(),
-                pool_bytes=self._pool.nbytes(),
-                staging_bytes=self._pages.nbytes(),
-                host_pinned_bytes=self._pool.nbytes(pinned=True) + self._pages.nbytes(pinned=True),
-                host_unpinned_bytes=(
-                    self._pool.nbytes(pinned=False) + self._pages.nbytes(pinned=False)
-                ),
+                pool_bytes=pool_bytes,
+                staging_bytes=staging_bytes,
+                host_pinned_bytes=pinned,
+                host_unpinned_bytes=pool_bytes + staging_bytes - pinned,
             )
 
 

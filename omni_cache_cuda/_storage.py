@@ -138,8 +138,6 @@ class HostPool:
         self.faults = faults
         self.tensors: dict[TensorName, torch.Tensor] = {}
         self.shapes: dict[TensorName, KeyShape] = {}
-        #: Keys whose storage is pinned.
-        self.pinned: set[TensorName] = set()
 
     def nbytes_for(self, shape: KeyShape) -> int:
         """Bytes a key of this row shape takes: one row per KV slot (D20)."""
@@ -160,21 +158,14 @@ class HostPool:
         if key not in self.tensors:
             self.tensors[key] = storage
             self.shapes[key] = shape
-            if self.pin:
-                self.pinned.add(key)
 
-    def nbytes(self, *, pinned: bool | None = None) -> int:
-        """Bytes of every key's storage (only the pinned, or unpinned, ones if asked)."""
-        return sum(
-            t.untyped_storage().nbytes()
-            for k, t in self.tensors.items()
-            if pinned is None or (k in self.pinned) == pinned
-        )
+    def nbytes(self) -> int:
+        """Bytes of every key's storage."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors.values())
 
     def release(self) -> None:
         """Drop every key's storage (shutdown); the memory goes once no reader holds it."""
         self.tensors = {}
-        self.pinned = set()
 
 
 class StagingPages:
@@ -188,8 +179,6 @@ class StagingPages:
         self.pin = pin
         self.faults = faults
         self.buffers: dict[TensorName, torch.Tensor] = {}
-        #: Keys whose pages are pinned.
-        self.pinned: set[TensorName] = set()
 
     def nbytes_for(self, shape: KeyShape) -> int:
         """Bytes an immediate key of this row shape takes: every page's rows (D20)."""
@@ -209,23 +198,16 @@ class StagingPages:
         """Install a key's pages unless they are there already."""
         if key not in self.buffers:
             self.buffers[key] = buffer
-            if self.pin:
-                self.pinned.add(key)
 
     def rows(self, key: TensorName, page: int, n: int) -> torch.Tensor:
         """The first ``n`` rows of one page of one key (a view)."""
         start = page * self.capacity
         return self.buffers[key][start : start + n]
 
-    def nbytes(self, *, pinned: bool | None = None) -> int:
-        """Bytes of every key's pages (only the pinned, or unpinned, ones if asked)."""
-        return sum(
-            t.untyped_storage().nbytes()
-            for k, t in self.buffers.items()
-            if pinned is None or (k in self.pinned) == pinned
-        )
+    def nbytes(self) -> int:
+        """Bytes of every key's pages."""
+        return sum(t.untyped_storage().nbytes() for t in self.buffers.values())
 
     def release(self) -> None:
         """Drop every key's pages (shutdown); the memory goes once no reader holds it."""
         self.buffers = {}
-        self.pinned = set()
