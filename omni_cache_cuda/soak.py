@@ -787,12 +787,14 @@ class Engine:
 # Resources.
 
 
-def _rss() -> int:
+def resident_bytes() -> int:
+    """This process's resident memory (Linux ``/proc``)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _os_threads() -> int:
+def os_threads() -> int:
+    """This process's OS threads (Linux ``/proc``), Python's and native ones alike."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("Threads:"):
@@ -800,7 +802,8 @@ def _os_threads() -> int:
     return 0
 
 
-def _library_threads() -> list[str]:
+def library_threads() -> list[str]:
+    """Names of the library's threads still alive."""
     return [t.name for t in threading.enumerate() if t.name.startswith("omni-prefix-cache")]
 
 
@@ -823,7 +826,7 @@ def _settle(manager: OmniPrefixCacheManager, report: Report, what: str) -> None:
 def _closed_clean(manager: OmniPrefixCacheManager, report: Report, what: str) -> None:
     """After shutdown no thread of the library is alive and no host storage is held."""
     manager.shutdown()
-    left = _library_threads()
+    left = library_threads()
     if left:
         report.error(f"{what}: threads still alive after shutdown: {left}")
     stats = manager.stats()
@@ -1060,10 +1063,10 @@ def main(argv: list[str] | None = None) -> int:
                 time.monotonic() - began,
                 phase[0],
                 counter["steps"],
-                _rss(),
+                resident_bytes(),
                 stats_pinned,
                 threading.active_count(),
-                _os_threads(),
+                os_threads(),
             )
         )
 
@@ -1074,7 +1077,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {time.monotonic() - began:7.0f}s {phase[0]:<7} steps {counter['steps']:>8} "
             f"rows checked {rows:>10} wrong {wrong} errors {errors} "
-            f"resident {_rss() / 2**20:.1f} MiB threads {threading.active_count()}",
+            f"resident {resident_bytes() / 2**20:.1f} MiB threads {threading.active_count()}",
             flush=True,
         )
 

@@ -23,6 +23,7 @@ from omni_cache_cuda import (
     WriteFailedError,
 )
 from omni_cache_cuda._faults import InjectedFault, OneShot
+from omni_cache_cuda.soak import library_threads
 from tests.adapter_helpers import Engine, policy, settle
 
 __all__ = [
@@ -58,11 +59,6 @@ def bounded(call: Callable[[], T], what: str = "call") -> T:
     if "error" in result:
         raise result["error"]
     return result["value"]  # type: ignore[no-any-return]
-
-
-def library_threads() -> list[str]:
-    """Names of the library's threads still alive."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("omni-prefix-cache")]
 
 
 def assert_sticky(manager: OmniPrefixCacheManager, tids: tuple[int, ...]) -> None:

@@ -10,7 +10,6 @@ memory and the thread count flat.
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import weakref
 from typing import Any
@@ -18,21 +17,12 @@ from typing import Any
 import pytest
 
 from omni_cache_cuda import OmniPrefixCacheManager, ShutDownError
+from omni_cache_cuda.soak import os_threads, resident_bytes
 from tests.adapter_helpers import DEF, MM, Engine, make_manager, settle, wait_for
 from tests.reliability_helpers import library_threads
 
 #: Resident memory may grow this much over the cycles after warm-up (allocator noise).
 RSS_BOUND = 32 * 2**20
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _os_threads() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
 def _busy(manager: OmniPrefixCacheManager) -> tuple[Engine, list[weakref.ref[Any]]]:
@@ -150,18 +140,18 @@ def test_a_thousand_cycles_keep_memory_and_threads_flat() -> None:
         _cycle(i % 2 == 1)
     gc.collect()
     assert wait_for(lambda: not library_threads(), 10.0)  # earlier tests' dropped managers
-    base = _rss()
+    base = resident_bytes()
     threads = threading.active_count()
-    os_threads = _os_threads()
+    native = os_threads()
     peak = base
     for i in range(900):
         _cycle(i % 2 == 1)
         if i % 100 == 99:
             gc.collect()
-            peak = max(peak, _rss())
+            peak = max(peak, resident_bytes())
             assert not library_threads()
             assert threading.active_count() <= threads, threading.enumerate()
-            assert _os_threads() <= os_threads
+            assert os_threads() <= native
     assert not library_threads()
     grew = peak - base
     assert grew < RSS_BOUND, f"resident memory grew {grew / 2**20:.1f} MiB over 900 cycles"
