@@ -1517,10 +1517,7 @@ class Workload:
         late, self._late = self._late, []
         for _, item in late:
             self._consume(item)
-        if self._builder is not None:
-            self._queue.put(None)
-            self._builder.join(60)
-            assert not self._builder.is_alive(), "the output builder did not stop"
+        self.stop()
         if self._backlog:
             ids = [saved.step_id for saved, _, _ in self._backlog]
             self.errors.append(f"steps {ids} were refused and never consumed")

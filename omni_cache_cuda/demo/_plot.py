@@ -106,14 +106,14 @@ def write_plot(path: str | Path, reference: RunReport, cached: RunReport, title:
         f"throughput x{speedup:.2f}",
         fontsize=13,
     )
-    runs: list[tuple[RunReport, str, str]] = [
-        (reference, _REF_COLOR, "without prefix caching (full recompute)"),
-        (cached, _CACHED_COLOR, "with prefix caching + omni cache"),
+    # Each run with when each of its steps ended (seconds into the run: every panel's x axis).
+    runs: list[tuple[RunReport, list[float], str, str]] = [
+        (reference, _ends(reference), _REF_COLOR, "without prefix caching (full recompute)"),
+        (cached, _ends(cached), _CACHED_COLOR, "with prefix caching + omni cache"),
     ]
 
     total = max(reference.step_done[-1:] + cached.step_done[-1:] + (1,))
-    for report, color, label in runs:
-        ends = _ends(report)
+    for report, ends, color, label in runs:
         ax_done.plot(
             [0.0, *ends],
             [0, *report.step_done],
@@ -129,8 +129,7 @@ def write_plot(path: str | Path, reference: RunReport, cached: RunReport, title:
     ax_done.legend(loc="lower right", fontsize=10, framealpha=0.9)
     ax_done.set_title("progress: requests finished or aborted", fontsize=10, loc="left")
 
-    for report, color, label in runs:
-        ends = _ends(report)
+    for report, ends, color, label in runs:
         ms = [s * 1e3 for s in report.step_s]
         ax_time.plot(ends, ms, color=color, alpha=0.25, linewidth=0.8)
         ax_time.plot(
@@ -151,7 +150,7 @@ def write_plot(path: str | Path, reference: RunReport, cached: RunReport, title:
         loc="left",
     )
 
-    ends = _ends(cached)
+    ends = runs[1][1]
     hits, totals = cached.step_hit_tokens, cached.step_prompt_tokens
     admitted = [i for i, t in enumerate(totals) if t]
     ax_hit.scatter(
