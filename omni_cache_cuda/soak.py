@@ -70,6 +70,7 @@ from omni_cache_core import (
 from omni_cache_cuda._faults import FAULT_ERRORS, OneShot
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._manager import OmniPrefixCacheManager
+from omni_cache_cuda._probes import library_threads, os_threads, resident_bytes
 from omni_cache_cuda._storage import registered_pinned_bytes
 
 __all__ = ["main"]
@@ -785,26 +786,6 @@ class Engine:
 
 # ---------------------------------------------------------------------------------------------
 # Resources.
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (Linux ``/proc``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def os_threads() -> int:
-    """This process's OS threads (Linux ``/proc``), Python's and native ones alike."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    return 0
-
-
-def library_threads() -> list[str]:
-    """Names of the library's threads still alive."""
-    return [t.name for t in threading.enumerate() if t.name.startswith("omni-prefix-cache")]
 
 
 def _settle(manager: OmniPrefixCacheManager, report: Report, what: str) -> None:

@@ -23,7 +23,7 @@ from omni_cache_cuda import (
     WriteFailedError,
 )
 from omni_cache_cuda._faults import InjectedFault, OneShot
-from omni_cache_cuda.soak import library_threads
+from omni_cache_cuda._probes import library_threads
 from tests.adapter_helpers import Engine, policy, settle
 
 __all__ = [

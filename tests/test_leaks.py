@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from omni_cache_cuda import OmniPrefixCacheManager, ShutDownError
-from omni_cache_cuda.soak import os_threads, resident_bytes
+from omni_cache_cuda._probes import os_threads, resident_bytes
 from tests.adapter_helpers import DEF, MM, Engine, make_manager, settle, wait_for
 from tests.reliability_helpers import library_threads
 
