@@ -272,11 +272,14 @@ def test_fail_6_a_failing_sink_stops_the_export_at_the_next_hook(tmp_path: Any) 
     export = make_export(tmp_path, Sink(fail_at=1))
     try:
         step(export, output({"a": 4}, new=[new_req("a", [0, 1])]))
+        export.step_begin(output({}))  # hands step 1's rows to the sink, which raises there
         export._thread.join(10)  # the output thread stops on the failure
         assert not export._thread.is_alive()
         with pytest.raises(ExportStoppedError) as stopped:
             step(export, output({"a": 2}, cached=[("a", None, 4)]))
         assert isinstance(stopped.value.__cause__, RuntimeError)
+        with pytest.raises(ShutDownError):
+            export.cache.materialize(1, ["a"])
         export.close()
         assert os.listdir(tmp_path / "rows") == []
     finally:

@@ -1,10 +1,12 @@
-"""Where the rows go: an output thread that consumes every saved step and feeds the sinks.
+"""Where the rows go: each saved step materialized a step late, its rows handed to the sinks.
 
 `HiddenStatesExport` sits between the drop-in worker's runner and `VllmPrefixCache`. On the
-engine thread it only feeds the step's records in and saves the forward's rows; every step id
-goes onto a queue, in save order, and the export's own thread materializes it, off the engine's
-critical path (a sink slower than the engine holds staging pages, so a save waits for one,
-at most ``staging_claim_timeout_s``: back-pressure, not loss).
+engine thread it feeds the step's records in, saves the forward's rows and, at the next step's
+start, materializes the steps saved before (by then their copies have landed); the rows go onto
+a queue, in save order, and the export's own thread hands them to the sinks, off the engine's
+critical path. Materialize runs on the engine thread because a second thread doing the same
+Python work costs the engine more: it holds the interpreter lock while the engine's forward
+waits for it (DESIGN D21 has the figures).
 
 The two sinks (see `hidden_states_engine_args`):
 
@@ -13,23 +15,25 @@ The two sinks (see `hidden_states_engine_args`):
   never sees a partial file);
 - a callable, handed each materialized step's `StageCacheOutputs`.
 
-Ordering: vLLM names an ended request in the scheduler output of the step after its last one,
-so its ``ended`` entry goes onto the queue behind every step that computed its rows; the file is
-complete when it is written.
+Ordering: vLLM names an ended request in the scheduler output of the step after its last one;
+that step's start materializes the request's last step first, so the request's ``ended`` entry
+goes onto the queue behind all its rows, and the file is complete when it is written.
 
-Failures stop the export (DESIGN D21): any error in a hook on the engine thread, or in the
-output thread (a materialize, a sink, a file write), shuts the cache down, so nothing it holds
-is served again, and every later hook raises `ExportStoppedError` from the first error. vLLM then
-fails the step and stops the engine: no hit after a failed save can be served a previous
-tenant's rows, and no file is written for a request whose rows were not all delivered.
+Failures stop the export (DESIGN D21, SPEC FAIL-6): an error in a hook on the engine thread, or
+on the output thread (a sink, a file write), shuts the cache down, so nothing it holds is served
+again, and every later hook raises `ExportStoppedError` from the first error. vLLM then fails
+the step and stops the engine: no hit after a failed save can be served a previous tenant's
+rows, and no file is written after the failure.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 import urllib.parse
@@ -115,12 +119,18 @@ def write_request_file(
 ) -> str | None:
     """Write one request's rows atomically; return the path, or None when it has no rows.
 
+    The file is in the safetensors format (`load_request_rows`, or ``safetensors.safe_open``,
+    reads it). It is written here rather than with ``safetensors.torch.save_file``, which
+    concatenates and serializes under the interpreter lock: each part is written straight from
+    its tensor's memory, and the lock is free while the bytes go out.
+
     Args:
         parts: ``(start, end, hidden rows, {mm key: rows})`` per materialize, in delivery order.
             Together they must cover positions ``0 .. end`` once each, in order.
 
     Raises:
-        ValueError: The parts leave a gap or overlap (the export delivered out of order).
+        ValueError: The parts leave a gap or overlap (the export delivered out of order), or an
+            mm key is named like one of the file's own tensors.
         OSError: The file could not be written; no partial file is left behind.
     """
     parts = [p for p in parts if p[1] > p[0]]
@@ -134,29 +144,71 @@ def write_request_file(
                 f"{expected}: delivered positions must be contiguous from 0"
             )
         expected = end
-    tensors: dict[str, torch.Tensor] = {"positions": torch.arange(expected, dtype=torch.int64)}
+    columns: dict[str, list[torch.Tensor]] = {
+        "positions": [torch.arange(expected, dtype=torch.int64)]
+    }
     if parts[0][2] is not None:
-        tensors["hidden_states"] = torch.cat([p[2] for p in parts if p[2] is not None]).contiguous()
+        columns["hidden_states"] = [p[2] for p in parts if p[2] is not None]
     for name in parts[0][3]:
         if name in _RESERVED:
             raise ValueError(f"request {req_id!r}: mm key {name!r} clashes with a reserved name")
-        tensors[name] = torch.cat([p[3][name] for p in parts]).contiguous()
-    from safetensors.torch import save_file  # a dependency of vLLM, imported when needed
-
+        columns[name] = [p[3][name] for p in parts]
     path = os.path.join(sink_dir, request_file_name(req_id))
     tmp = os.path.join(sink_dir, f".{request_file_name(req_id)}.{os.getpid()}.tmp")
+    meta = {"request_id": req_id, "num_positions": str(expected), "ended": ended}
     try:
-        save_file(
-            tensors,
-            tmp,
-            metadata={"request_id": req_id, "num_positions": str(expected), "ended": ended},
-        )
+        _write_safetensors(tmp, columns, meta)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return path
+
+
+# safetensors' dtype names.
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _write_safetensors(
+    path: str, columns: Mapping[str, Sequence[torch.Tensor]], metadata: Mapping[str, str]
+) -> None:
+    """Write each column (its pieces stacked along dim 0) as one tensor of a safetensors file:
+    an 8-byte little-endian header length, a JSON header, then the tensors' bytes."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    pieces: list[torch.Tensor] = []
+    offset = 0
+    for name, column in columns.items():
+        first = column[0]
+        if first.dtype not in _DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {first.dtype} has no safetensors name")
+        rows = sum(int(t.shape[0]) for t in column)
+        size = sum(t.numel() * t.element_size() for t in column)
+        header[name] = {
+            "dtype": _DTYPES[first.dtype],
+            "shape": [rows, *first.shape[1:]],
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+        pieces.extend(t.detach().cpu().contiguous() for t in column)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for piece in pieces:
+            f.write(piece.view(torch.uint8).numpy().data)
 
 
 def load_request_rows(
@@ -215,8 +267,9 @@ _CLOSE = "close"
 class HiddenStatesExport:
     """The drop-in worker's cache, its output thread and its sinks.
 
-    Engine thread: `step_begin` first in every ``execute_model``, `save` right after the
-    forward, `close` at shutdown. Everything else runs on the output thread.
+    Engine thread: `step_begin` first in every ``execute_model`` (it materializes the steps
+    saved before), `save` right after the forward, `close` at shutdown. The sinks run on the
+    output thread.
 
     Args:
         cache: The worker's cache; the export shuts it down at `close` or on a failure.
@@ -244,10 +297,17 @@ class HiddenStatesExport:
         self._close_timeout_s = close_timeout_s
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._failure: BaseException | None = None
+        # Engine thread: steps saved and not yet materialized (at most one step's worth).
+        self._saved: list[tuple[StepId, tuple[str, ...]]] = []
         self._closed = False
         # Output thread only: each tracked request's delivered parts, in delivery order.
         self._parts: dict[str, list[tuple[int, int, torch.Tensor | None, dict[str, Any]]]] = {}
-        self._counts = {"steps_exported": 0, "files_written": 0, "requests_ended": 0}
+        self._counts: dict[str, float] = {
+            "steps_exported": 0,
+            "files_written": 0,
+            "requests_ended": 0,
+            "output_thread_cpu_s": 0.0,
+        }
         self._thread = threading.Thread(target=self._run, name="omni-cache-export", daemon=True)
         self._thread.start()
 
@@ -255,8 +315,10 @@ class HiddenStatesExport:
     # Engine thread.
 
     def step_begin(self, scheduler_output: Any) -> None:
-        """`VllmPrefixCache.step_begin`, and the requests it ends queued for their files."""
+        """Materialize the steps saved before, then `VllmPrefixCache.step_begin`; the rows and
+        the requests this step ends go to the output thread, in that order."""
         self._raise_if_stopped()
+        self._materialize_saved()
         finished = scheduler_output.finished_req_ids
         ended: list[str] = []
         if finished:
@@ -278,7 +340,7 @@ class HiddenStatesExport:
         num_tokens_unpadded: int,
         num_tokens_padded: int,
     ) -> StepId:
-        """`VllmPrefixCache.save`; the step id goes to the output thread."""
+        """`VllmPrefixCache.save`; the step is materialized at the next `step_begin`."""
         self._raise_if_stopped()
         try:
             step_id = self.cache.save(
@@ -291,8 +353,19 @@ class HiddenStatesExport:
         except BaseException as exc:
             self._stop(exc, "save")
             raise
-        self._queue.put((_STEP, step_id, tuple(req_ids)))
+        self._saved.append((step_id, tuple(req_ids)))
         return step_id
+
+    def _materialize_saved(self) -> None:
+        """Materialize the steps saved since the last call; their rows go to the output thread."""
+        while self._saved:
+            step_id, req_ids = self._saved.pop(0)
+            try:
+                out = self.cache.materialize(step_id, req_ids)
+            except BaseException as exc:
+                self._stop(exc, "materialize")
+                raise
+            self._queue.put((_STEP, out, req_ids))
 
     def close(self) -> None:
         """Write what the output thread holds, stop it and shut the cache down (idempotent).
@@ -304,6 +377,11 @@ class HiddenStatesExport:
         if self._closed:
             return
         self._closed = True
+        if self._failure is None:
+            try:
+                self._materialize_saved()
+            except BaseException:
+                _log.exception("omni-cache export: the last steps could not be materialized")
         self._queue.put((_CLOSE,))
         self._thread.join(self._close_timeout_s)
         if self._thread.is_alive():
@@ -329,14 +407,18 @@ class HiddenStatesExport:
     def _raise_if_stopped(self) -> None:
         failure = self._failure
         if failure is not None:
+            self.cache.shutdown()  # a failure on the output thread is acted on here
             raise ExportStoppedError(f"after {failure!r}") from failure
 
     def _stop(self, exc: BaseException, where: str) -> None:
-        """Record the first failure and shut the cache down: nothing it holds is served again."""
+        """Record the first failure and, on the engine thread, shut the cache down: nothing it
+        holds is served again. The output thread only records it (the cache is the engine
+        thread's), and the engine thread's next hook shuts the cache down and raises."""
         if self._failure is None:
             self._failure = exc
             _log.error("omni-cache export stopped by a failure in %s", where, exc_info=exc)
-        self.cache.shutdown()
+        if threading.current_thread() is not self._thread:
+            self.cache.shutdown()
 
     # -----------------------------------------------------------------------------------------
     # Output thread.
@@ -346,6 +428,7 @@ class HiddenStatesExport:
             entry = self._queue.get()
             if self._failure is not None:
                 return
+            started = time.thread_time()
             try:
                 if entry[0] == _STEP:
                     self._export_step(entry[1], entry[2])
@@ -359,9 +442,10 @@ class HiddenStatesExport:
             except BaseException as exc:
                 self._stop(exc, "the output thread")
                 return
+            finally:
+                self._counts["output_thread_cpu_s"] += time.thread_time() - started
 
-    def _export_step(self, step_id: StepId, req_ids: tuple[str, ...]) -> None:
-        out = self.cache.materialize(step_id, req_ids)
+    def _export_step(self, out: StageCacheOutputs, req_ids: tuple[str, ...]) -> None:
         self._counts["steps_exported"] += 1
         if self._sink is not None:
             self._sink(out)

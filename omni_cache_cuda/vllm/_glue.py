@@ -320,6 +320,7 @@ class VllmPrefixCache:
         policy: ModelCachePolicy | None = None,
         device: str | torch.device | None = None,
         threaded: bool | None = None,
+        prefetch: bool = True,
         kv_group: int | None = None,
     ) -> VllmPrefixCache:
         """Build the cache a vLLM worker needs, refusing what it cannot serve correctly.
@@ -331,7 +332,7 @@ class VllmPrefixCache:
         Args:
             vllm_config: vLLM's ``VllmConfig`` (read duck-typed).
             kv_cache_config: The worker's ``KVCacheConfig``.
-            policy, device, threaded: As for `OmniPrefixCacheManager`.
+            policy, device, threaded, prefetch: As for `OmniPrefixCacheManager`.
             kv_group: The full-attention KV cache group to follow. None: the model must have
                 exactly one KV cache group, of full attention.
 
@@ -417,7 +418,9 @@ class VllmPrefixCache:
             model_config=getattr(vllm_config, "model_config", None),
         )
         depth = _max_concurrent_batches(vllm_config)
-        manager = OmniPrefixCacheManager(config, policy=policy, device=device, threaded=threaded)
+        manager = OmniPrefixCacheManager(
+            config, policy=policy, device=device, threaded=threaded, prefetch=prefetch
+        )
         try:
             return cls(
                 manager, block_size=block_size, kv_group=kv_group, max_concurrent_batches=depth

@@ -36,18 +36,21 @@ VOCAB = 512
 MAX_MODEL_LEN = 192
 
 
-def build_model(folder: str, *, seed: int = 0) -> str:
-    """Save a tiny random-weight Llama into ``folder`` (float32 weights) and return it."""
+def build_model(
+    folder: str, *, seed: int = 0, hidden: int = HIDDEN, layers: int = 2, vocab: int = VOCAB
+) -> str:
+    """Save a random-weight Llama into ``folder`` (float32 weights) and return it: by default
+    the tiny one; the benchmark asks for a larger one (heads of 64 either way)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
         max_position_embeddings=512,
         bos_token_id=1,
         eos_token_id=2,

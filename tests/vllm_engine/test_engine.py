@@ -14,12 +14,9 @@ from typing import Any
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="needs vLLM's CPU build: bash .ci/setup-vllm cpu")
+from tests.vllm_engine import require_engine
 
-from vllm.platforms import current_platform  # noqa: E402
-
-if not current_platform.is_cpu():
-    pytest.skip("the real-engine suite runs vLLM's CPU build", allow_module_level=True)
+vllm = require_engine()
 
 import torch  # noqa: E402
 
@@ -159,7 +156,9 @@ def run_and_compare(
         max(len(p) for p in workload.prompts)
         > h.engine_kwargs(model, dtype=dtype, num_blocks=8)["max_num_batched_tokens"]
     )
-    assert counts["steps_saved"] == counts["steps_consumed"] == counts["steps_exported"]
+    # Every step but the last is materialized by now (the last one at the engine's shutdown).
+    assert counts["steps_saved"] - 1 <= counts["steps_consumed"] <= counts["steps_saved"]
+    assert counts["steps_exported"] <= counts["steps_consumed"]
     return figures
 
 
