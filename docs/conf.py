@@ -73,6 +73,7 @@ myst_enable_extensions = ["colon_fence"]
 PACKAGES = {
     "omni_cache_cuda": "The engine-facing API",
     "omni_cache_cuda.metrics": "Prometheus metrics (needs the ``metrics`` extra)",
+    "omni_cache_cuda.vllm": "In vLLM: the drop-in worker's switch, its files and the glue",
 }
 
 

@@ -32,8 +32,9 @@ UNTESTED_MARK = "(no test yet)"
 UNTESTED: frozenset[str] = frozenset()
 OWNERS = {"core", "omni_cache_cuda", "both"}
 PACKAGES = {"core": "omni_cache_core", "adapter": "omni_cache_cuda"}
-#: A code reference in an "enforced in" cell: ``_module.Name`` or ``_module.Class.method``.
-CODE_REF = re.compile(r"`(_\w+(?:\.\w+)+)`")
+#: A code reference in an "enforced in" cell: ``_module.Name`` or ``_module.Class.method``, or
+#: the same in the adapter's vLLM subpackage (``vllm._module.Name``, ``vllm.worker.Name``).
+CODE_REF = re.compile(r"`((?:vllm\.\w+|_\w+)(?:\.\w+)+)`")
 #: A test file of the adapter whose tests' docstrings name the rules they check.
 ADAPTER_TEST_FILES = (
     "tests/test_adapter_scenarios.py",
@@ -135,6 +136,8 @@ def code_refs(owner: str, where: str) -> list[tuple[str, str]]:
 def resolves(package: str, dotted: str, root: Path) -> bool:
     """Whether ``_module.Name[.attr]`` names a class, function or binding in the package."""
     module, *names = dotted.split(".")
+    if module == "vllm":  # the adapter's vLLM subpackage
+        module = f"vllm/{names.pop(0)}"
     file = root / package / f"{module}.py"
     if not file.is_file():
         return False
