@@ -58,7 +58,7 @@ default_role = "py:obj"
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|np|attrs|prometheus_client|concurrent|threading|collections)\b.*"),
-    (r"py:.*", r"(typing|types|enum|abc|collections\.abc)\..*"),
+    (r"py:.*", r"(typing|types|enum|abc|collections\.abc|os)\..*"),
     (r"py:class", r"(Any|Mapping|Sequence|Iterable|Iterator|Callable|MappingProxyType)"),
     (r"py:class", r"(NewType|Enum|Exception|BaseException|ValueError|RuntimeError)"),
     (r"py:class", r"(AssertionError|ImportError|object|int|str|float|bool|bytes)"),

@@ -3,7 +3,7 @@
 Two ways in:
 
 - By configuration: `hidden_states_engine_args` returns engine arguments that switch omni-cache
-  on in a stock vLLM engine (its worker, `omni_cache_cuda.vllm.worker.HiddenStatesWorker`,
+  on in a stock vLLM engine (its worker, ``omni_cache_cuda.vllm.worker.HiddenStatesWorker``,
   wraps vLLM's own model runner), with the rows going to a folder of safetensors files
   (`load_request_rows` reads one back) or to a callable in the worker process.
 - By hand, from a model runner of one's own (vLLM-Omni's mix-in): `VllmPrefixCache`, the glue

@@ -91,8 +91,8 @@ class RequestRows:
         hidden_states: ``[n, hidden]``: one row per computed position, in position order.
         positions: ``[n]`` int64: the position of each row (``0 .. n - 1``).
         mm_outputs: Per cached mm key, its rows like ``hidden_states``.
-        ended: How the request ended, as far as the worker knows (`ENDED_BY_ENGINE` or
-            `ENDED_BY_SHUTDOWN`).
+        ended: How the request ended, as far as the worker knows: ``"finished or aborted"``
+            (the engine said so) or ``"engine shut down"`` (still tracked at shutdown).
         path: The file.
     """
 

@@ -200,7 +200,7 @@ def should_build_prefix_cache(
 ) -> bool:
     """Tell whether this worker should build a prefix cache at all.
 
-    Only the worker whose `ModelRunnerOutput` vLLM's executor returns needs one: the last
+    Only the worker whose ``ModelRunnerOutput`` vLLM's executor returns needs one: the last
     pipeline stage (earlier stages produce no final hidden states) and, within it, tensor- and
     prefill-context-parallel rank 0 (vLLM's ``MultiprocExecutor`` replies from rank
     ``world_size - tp_size * pcp_size``). The other ranks compute the same rows and would pin the
@@ -209,10 +209,9 @@ def should_build_prefix_cache(
     Args:
         pp_rank, pp_size: This worker's pipeline stage and the number of stages.
         tp_rank: This worker's rank in its tensor-parallel group.
-        pcp_rank: Its rank in its prefill-context-parallel group (0 when not used).
-
-        Arguments left out are read from vLLM's initialized process groups
-        (``vllm.distributed.parallel_state``), which must then exist.
+        pcp_rank: Its rank in its prefill-context-parallel group (0 when not used). Arguments
+            left out are read from vLLM's initialized process groups
+            (``vllm.distributed.parallel_state``), which must then exist.
 
     Returns:
         True on the one worker that should build the cache and call it.
@@ -489,7 +488,7 @@ class VllmPrefixCache:
                 that was not preempted).
             ShutDownError, WriteFailedError: As for `OmniPrefixCacheManager.new_step_starts`.
 
-            On any error nothing changed: the cache and this object's tracking are as before.
+        On any error nothing changed: the cache and this object's tracking are as before.
         """
         so = scheduler_output
         sched: Mapping[str, int] = so.num_scheduled_tokens
@@ -692,7 +691,8 @@ class VllmPrefixCache:
             BadInputError: No `step_begin` before this save, or ``req_ids`` is not the step's
                 scheduled requests; or as for `OmniPrefixCacheManager.save_outputs`. The cache
                 is unchanged.
-            Others as for `OmniPrefixCacheManager.save_outputs`.
+            OmniPrefixCacheUnmatchError: Any other error of
+                `OmniPrefixCacheManager.save_outputs`, as it says.
         """
         sched = self._current_step("save")
         if (
