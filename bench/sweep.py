@@ -1,0 +1,329 @@
+"""How a step's cost grows: decode and prefill cycles over batch sizes and hidden widths.
+
+One inline manager per point (the pool write runs on the engine thread, so the engine thread's
+CPU time is the cycle's whole work), block_size=16, hidden states in bf16 at widths 1024, 4096
+and 8192 plus one immediate mm key (width 16). Per point:
+- decode: R running requests x 1 token (R in 16, 64, 256, 1024), each gaining a block every
+  16 steps;
+- prefill: R new requests x 32 tokens, every other one starting on a 16-token hit of a shared
+  block (the step before's requests finishing), so half the returned rows come from the pool.
+
+Printed per point, medians over the steps after a warm-up, the quietest of `--rounds` runs:
+`cycle ms` the engine thread's CPU time for `new_step_starts` + `save_outputs` + `materialize`
+(layout built beforehand, reported apart as `layout ms`), `copy ms` the copies such a cycle
+cannot avoid (the step's rows into the pool at its slots, and every returned row copied out
+once: plain `index_copy_` / `copy_` / `index_select` on buffers of the same sizes), their ratio,
+and `fixed ms` = cycle - copy, the bookkeeping. Read across a row for what grows with bytes
+(the copies), down a column for what grows with requests (the bookkeeping); a constant
+bookkeeping across widths and a ratio falling to 1 with width is the healthy shape.
+
+`--plot PATH` writes a figure of both (matplotlib): bookkeeping against requests, and the
+cycle's ratio to its copies against bytes per step.
+
+Run: python bench/sweep.py [--steps N] [--rounds R] [--widths 1024,4096,8192]
+     [--batches 16,64,256,1024] [--plot docs/sweep.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from omni_cache_cuda import (
+    OmniPrefixCacheManager,
+    PrefixCacheConfig,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    PrefixCacheWriteLayout,
+)
+
+BLOCK_SIZE = 16
+MM_KEY = "talker.h"
+MM_WIDTH = 16
+DTYPE = torch.bfloat16
+PREFILL_TOKENS = 32
+HIT_TOKENS = 16
+
+STARTED = PrefixCacheEventKind.STARTED
+FINISHED = PrefixCacheEventKind.FINISHED
+
+
+@dataclass
+class Point:
+    kind: str
+    requests: int
+    width: int
+    cycle_ms: float
+    copy_ms: float
+    layout_ms: float
+    step_bytes: int
+
+    @property
+    def fixed_ms(self) -> float:
+        return self.cycle_ms - self.copy_ms
+
+
+class Buffers:
+    """Plain tensors of the cache's sizes, for the copies a cycle cannot avoid."""
+
+    def __init__(self, slots: int, width: int, rows_out: int) -> None:
+        self.pools = (
+            torch.zeros(slots, width, dtype=DTYPE),
+            torch.zeros(slots, MM_WIDTH, dtype=DTYPE),
+        )
+        self.outs = (
+            torch.zeros(rows_out, width, dtype=DTYPE),
+            torch.zeros(rows_out, MM_WIDTH, dtype=DTYPE),
+        )
+
+    def copies(
+        self, rows: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, hits: torch.Tensor
+    ) -> float:
+        """Engine-thread CPU seconds of one step's unavoidable copies."""
+        n, h = len(slots), len(hits)
+        t0 = time.thread_time()
+        for src, pool, out in zip(rows, self.pools, self.outs, strict=True):
+            pool.index_copy_(0, slots, src[:n])
+            out[:n].copy_(src[:n])
+            if h:
+                torch.index_select(pool, 0, hits, out=out[n : n + h])
+        return time.thread_time() - t0
+
+
+def _manager(num_blocks: int, step_rows: int) -> OmniPrefixCacheManager:
+    capacity = max(1024, step_rows)
+    config = PrefixCacheConfig(
+        num_blocks=num_blocks, block_size=BLOCK_SIZE, staging_capacity_tokens=capacity
+    )
+    return OmniPrefixCacheManager(config, device="cpu", threaded=False)
+
+
+def _cycle(
+    m: OmniPrefixCacheManager,
+    step: PrefixCacheStep,
+    rows: tuple[torch.Tensor, torch.Tensor],
+    n: int,
+    layout: PrefixCacheWriteLayout,
+    reqs: list[str],
+) -> float:
+    t0 = time.thread_time()
+    m.new_step_starts(step)
+    step_id = m.save_outputs(rows[0], {MM_KEY: rows[1]}, num_tokens_unpadded=n, write_layout=layout)
+    m.materialize(step_id, reqs)
+    return time.thread_time() - t0
+
+
+def decode(requests: int, width: int, steps: int, warmup: int) -> Point:
+    blocks_per_req = 8
+    num_blocks = requests * blocks_per_req
+    reqs = [f"d{i}" for i in range(requests)]
+    blocks = {
+        r: list(range(i * blocks_per_req, (i + 1) * blocks_per_req)) for i, r in enumerate(reqs)
+    }
+    rows = (torch.randn(requests, width).to(DTYPE), torch.randn(requests, MM_WIDTH).to(DTYPE))
+    ones = dict.fromkeys(reqs, 1)
+    starts = [
+        PrefixCacheRequestEvent(req_id=r, kind=STARTED, block_ids=blocks[r], scheduled_tokens=1)
+        for r in reqs
+    ]
+    buffers = Buffers(num_blocks * BLOCK_SIZE, width, requests)
+    no_hits = torch.zeros(0, dtype=torch.int64)
+    cycle, copy, layout_s = [], [], []
+    with _manager(num_blocks, requests) as m:
+        for pos in range(warmup + steps):
+            step = PrefixCacheStep(events=starts if pos == 0 else (), scheduled_tokens=ones)
+            t0 = time.thread_time()
+            layout = PrefixCacheWriteLayout.from_block_tables(
+                reqs,
+                ones,
+                dict.fromkeys(reqs, pos % (blocks_per_req * BLOCK_SIZE)),
+                blocks,
+                BLOCK_SIZE,
+            )
+            lay = time.thread_time() - t0
+            c = _cycle(m, step, rows, requests, layout, reqs)
+            k = buffers.copies(rows, layout.slots_cpu, no_hits)
+            if pos >= warmup:
+                cycle.append(c)
+                copy.append(k)
+                layout_s.append(lay)
+    return _point("decode", requests, width, cycle, copy, layout_s, requests)
+
+
+def prefill(requests: int, width: int, steps: int, warmup: int) -> Point:
+    blocks_per_req = PREFILL_TOKENS // BLOCK_SIZE
+    shared = [0]
+    num_blocks = 1 + 2 * requests * blocks_per_req  # this step's and the step before's
+    computed_rows = requests // 2 * PREFILL_TOKENS + requests // 2 * (PREFILL_TOKENS - HIT_TOKENS)
+    rows = (
+        torch.randn(computed_rows, width).to(DTYPE),
+        torch.randn(computed_rows, MM_WIDTH).to(DTYPE),
+    )
+    buffers = Buffers(num_blocks * BLOCK_SIZE, width, requests * PREFILL_TOKENS)
+    cycle, copy, layout_s = [], [], []
+    with _manager(num_blocks, computed_rows) as m:
+        # The shared block, written once by a request that stays live.
+        warm = PrefixCacheWriteLayout.from_block_tables(
+            ["warm"], {"warm": HIT_TOKENS}, {"warm": 0}, {"warm": shared}, BLOCK_SIZE
+        )
+        start = PrefixCacheRequestEvent(
+            req_id="warm", kind=STARTED, block_ids=shared, scheduled_tokens=HIT_TOKENS
+        )
+        _cycle(
+            m,
+            PrefixCacheStep(events=[start], scheduled_tokens={"warm": HIT_TOKENS}),
+            (rows[0][:HIT_TOKENS], rows[1][:HIT_TOKENS]),
+            HIT_TOKENS,
+            warm,
+            ["warm"],
+        )
+        prev: list[str] = []
+        for s in range(warmup + steps):
+            reqs = [f"p{s}_{i}" for i in range(requests)]
+            base = 1 + (s % 2) * requests * blocks_per_req
+            events = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in prev]
+            scheduled: dict[str, int] = {}
+            computed: dict[str, int] = {}
+            block_ids: dict[str, list[int]] = {}
+            hit_slots: list[int] = []
+            for i, r in enumerate(reqs):
+                own = list(range(base + i * blocks_per_req, base + (i + 1) * blocks_per_req))
+                if i % 2 == 0:
+                    block_ids[r] = shared + own[1:]
+                    computed[r], scheduled[r] = HIT_TOKENS, PREFILL_TOKENS - HIT_TOKENS
+                    hit_slots.extend(range(HIT_TOKENS))
+                else:
+                    block_ids[r] = own
+                    computed[r], scheduled[r] = 0, PREFILL_TOKENS
+                events.append(
+                    PrefixCacheRequestEvent(
+                        req_id=r,
+                        kind=STARTED,
+                        hit_end=computed[r],
+                        block_ids=block_ids[r],
+                        scheduled_tokens=scheduled[r],
+                    )
+                )
+            t0 = time.thread_time()
+            layout = PrefixCacheWriteLayout.from_block_tables(
+                reqs, scheduled, computed, block_ids, BLOCK_SIZE
+            )
+            lay = time.thread_time() - t0
+            step = PrefixCacheStep(events=events, scheduled_tokens=scheduled)
+            c = _cycle(m, step, rows, computed_rows, layout, reqs)
+            k = buffers.copies(rows, layout.slots_cpu, torch.tensor(hit_slots, dtype=torch.int64))
+            if s >= warmup:
+                cycle.append(c)
+                copy.append(k)
+                layout_s.append(lay)
+            prev = reqs
+    return _point("prefill", requests, width, cycle, copy, layout_s, computed_rows)
+
+
+def _point(
+    kind: str,
+    requests: int,
+    width: int,
+    cycle: list[float],
+    copy: list[float],
+    layout: list[float],
+    rows: int,
+) -> Point:
+    return Point(
+        kind=kind,
+        requests=requests,
+        width=width,
+        cycle_ms=statistics.median(cycle) * 1e3,
+        copy_ms=statistics.median(copy) * 1e3,
+        layout_ms=statistics.median(layout) * 1e3,
+        step_bytes=rows * (width + MM_WIDTH) * DTYPE.itemsize,
+    )
+
+
+def plot(points: list[Point], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for kind, marker in (("decode", "o"), ("prefill", "s")):
+        for width in sorted({p.width for p in points}):
+            run = sorted(
+                (p for p in points if p.kind == kind and p.width == width), key=lambda p: p.requests
+            )
+            if not run:
+                continue
+            label = f"{kind}, width {width}"
+            left.plot(
+                [p.requests for p in run], [p.fixed_ms for p in run], marker=marker, label=label
+            )
+            right.plot(
+                [p.step_bytes / 2**20 for p in run],
+                [p.cycle_ms / p.copy_ms for p in run],
+                marker=marker,
+                label=label,
+            )
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="requests per step",
+        ylabel="bookkeeping ms (cycle - copies)",
+    )
+    left.set_title("What grows with requests")
+    right.set(xscale="log", xlabel="MiB of rows per step", ylabel="cycle / unavoidable copies")
+    right.set_title("What grows with bytes")
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    for ax in (left, right):
+        ax.grid(True, which="both", linewidth=0.3)
+    left.legend(fontsize=7)
+    fig.suptitle("omni-cache step cycle on the CPU (inline, engine-thread CPU time, bf16)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--widths", default="1024,4096,8192")
+    parser.add_argument("--batches", default="16,64,256,1024")
+    parser.add_argument("--plot", default=None, help="write the figure to this path")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    widths = [int(w) for w in args.widths.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    print(
+        f"torch {torch.__version__}, 1 intra-op thread; {args.steps} steps a point, quietest of {args.rounds}"
+    )
+    print(
+        f"{'cycle':8} {'requests':>8} {'width':>6} {'MiB':>7} {'cycle ms':>9} {'copy ms':>8} {'x copy':>7} {'fixed ms':>9} {'layout ms':>9}"
+    )
+    points: list[Point] = []
+    for kind, bench in (("decode", decode), ("prefill", prefill)):
+        for requests in batches:
+            for width in widths:
+                steps = args.steps if kind == "decode" else max(6, args.steps // 4)
+                point = min(
+                    (bench(requests, width, steps, 5) for _ in range(args.rounds)),
+                    key=lambda p: p.cycle_ms,
+                )
+                points.append(point)
+                print(
+                    f"{kind:8} {requests:8d} {width:6d} {point.step_bytes / 2**20:7.2f} "
+                    f"{point.cycle_ms:9.3f} {point.copy_ms:8.3f} "
+                    f"{point.cycle_ms / point.copy_ms:7.2f} {point.fixed_ms:9.3f} {point.layout_ms:9.3f}",
+                    flush=True,
+                )
+    if args.plot:
+        plot(points, args.plot)
+
+
+if __name__ == "__main__":
+    main()
