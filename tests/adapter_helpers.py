@@ -24,17 +24,17 @@ value at each position (DLV-6). `Engine.delivery_violations` then checks each ad
 life: every position delivered at most once and in order, and every position never delivered
 carried only by steps that were discarded or materialized without the request.
 
-`Workload` drives an engine like a scheduler with prefix caching: prompts share prefixes from a
-few families, full blocks of the token sequence are registered in a hash table when they are
-scheduled, new requests hit the longest registered prompt prefix, blocks are recycled
-least-recently-freed first, requests finish, abort, are preempted (their blocks go back to the
-free list and stay registered) and resumed with a new hit, and ids come back. Nothing here decides
-a rule of the library; the helpers only feed inputs and remember what was written.
+`Workload` drives an engine with the simulated scheduler the demo and the soak run too
+(`omni_cache_cuda.sim.Scheduler`): prompts share prefixes from a few families, full blocks of the
+token sequence are registered in a hash table when they are scheduled, new requests hit the
+longest registered prompt prefix, blocks are recycled least-recently-freed first, requests
+finish, abort, are preempted (their blocks go back to the free list and stay registered) and
+resumed with a new hit, and ids come back. Nothing here decides a rule of the library; the
+helpers only feed inputs and remember what was written.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 import queue
 import random
@@ -65,6 +65,7 @@ from omni_cache_cuda import (
     StagingCopyError,
     UnknownStepError,
 )
+from omni_cache_cuda.sim import Knobs, Scheduler, SchedulerCounts
 
 __all__ = [
     "BLOCK",
@@ -1020,33 +1021,18 @@ class Engine:
 
 
 @attrs.define
-class _Live:
-    tokens: tuple[int, ...]  # the prompt, then the tokens the request generates
-    ids: tuple[int, ...]  # per position, the id of the token prefix ending there
-    prompt: int  # prompt length
-    blocks: list[int]
-    prefill_end: int  # below it the request computes chunks, from it one token a step
-    computed: int = 0  # while preempted: how far it had computed
+class WorkloadCounts(SchedulerCounts):
+    """What a workload exercised, so a run can prove it covered the interesting cases.
 
-
-@attrs.define
-class WorkloadCounts:
-    """What a workload exercised, so a run can prove it covered the interesting cases."""
+    The scheduler's counts (`SchedulerCounts`: hits, ends, preemptions, resumes, recycled
+    blocks, ...) plus what the engine side and the consumer saw.
+    """
 
     steps: int = 0
-    hit_requests: int = 0
-    hit_rows: int = 0
-    same_step_hits: int = 0
-    finishes: int = 0
-    aborts: int = 0
-    id_reuses: int = 0
-    recycled_blocks: int = 0
     materialized: int = 0
     discarded: int = 0
     checked_rows: int = 0
     sparse_steps: int = 0
-    preemptions: int = 0
-    resumes: int = 0
     #: Resumes by their hit against what was delivered when the cache applied the record:
     #: no hit, a hit below, at and above the delivery cursor (DLV-3), and resumes during which
     #: a consume ran (the cursor the cache saw is then not known exactly).
@@ -1055,14 +1041,6 @@ class WorkloadCounts:
     resume_equal: int = 0
     resume_above: int = 0
     resume_unclassified: int = 0
-    #: Resume hits beyond the prompt (the request's own generated blocks stayed cached).
-    resume_beyond_prompt: int = 0
-    #: Resume hits on a block another request computes in that very step (HIT-5).
-    resume_same_step_hits: int = 0
-    #: Requests preempted and resumed in one step (LIFE-2).
-    same_step_resumes: int = 0
-    preempted_finishes: int = 0
-    preempted_aborts: int = 0
     #: Ids started again while a step of their previous admission was still open (LIFE-1).
     reuses_with_open_steps: int = 0
     #: Materializes refused for a gap an earlier unconsumed step carries (DLV-5), retried later.
@@ -1072,25 +1050,52 @@ class WorkloadCounts:
 _Item = tuple[Saved, list[str] | None, bool]
 
 
-class Workload:
-    """Drive an engine like a vLLM-style scheduler with prefix caching (see the module doc).
+class _Records:
+    """The scheduler's lifecycle records, queued on the engine; counts ids reused while a step of
+    their previous admission is still open (LIFE-1)."""
 
-    Every step: finish requests that are done and abort a few at random (their blocks go back to
-    the free list); preempt running requests at random (``preempt_p``: blocks back to the free
-    list, in reverse so the tail is evicted first, still registered for hits) and end some
-    preempted ones (``end_preempted_p``, finished or aborted); schedule a prefill chunk or one
-    decode token for each running request, now and then none (the request stays in the layout
-    with no rows); resume preempted requests (``resume_p``) with the longest registered prefix
-    of the tokens they know as their hit, or (``cut_hit_p``) a random shorter one, or
-    (``aim_hit_p``) one ending where one of their recent steps ended, so resume hits fall below,
-    at and above what the builder has delivered; admit new requests, which hit the longest
-    prefix of full prompt blocks registered in the hash table (also blocks another request
-    computes in this very step, HIT-5), capped so at least one prompt token is computed;
-    register every full block a chunk computes (generated tokens too, so a resume can hit beyond
-    the prompt); emit `MM` and `DEF` on most steps only (sparse keys, SLOT-4). Each request
-    carries its whole token sequence, so its rows are functions of its token prefix. New blocks
-    come from the free list's oldest end like vLLM, or (``mru_p``) its newest end, which reuses
-    slots whose writes or delayed reads are still pending.
+    def __init__(self, engine: Engine, counts: WorkloadCounts) -> None:
+        self.engine = engine
+        self.counts = counts
+
+    def start(
+        self,
+        req: str,
+        blocks: Sequence[int],
+        *,
+        hit_end: int = 0,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
+        self.counts.reuses_with_open_steps += self.engine.open_steps_of(req) > 0
+        self.engine.start(req, blocks, hit_end=hit_end, tokens=tokens)
+
+    def finish(self, req: str, *, abort: bool = False) -> None:
+        self.engine.finish(req, abort=abort)
+
+    def preempt(self, req: str) -> None:
+        self.engine.preempt(req)
+
+    def resume(self, req: str, blocks: Sequence[int], *, hit_end: int = 0) -> None:
+        self.engine.resume(req, blocks, hit_end=hit_end)
+
+
+class Workload:
+    """Drive an engine with the simulated vLLM-style scheduler (`omni_cache_cuda.sim`).
+
+    Every step the scheduler (`Scheduler.plan`, its chances set by the keyword arguments of the
+    same names as `Knobs`) finishes requests that are done and aborts a few at random; preempts
+    running requests at random (``preempt_p``) and ends some preempted ones
+    (``end_preempted_p``); schedules a prefill chunk or one decode token for each running
+    request, now and then none; resumes preempted requests (``resume_p``) with the longest
+    registered prefix of the tokens they know as their hit, or (``cut_hit_p``) a random shorter
+    one, or (``aim_hit_p``) one ending where the builder has delivered, so resume hits fall
+    below, at and above the delivery cursor; admits new requests, which hit the longest
+    registered prefix of their full prompt blocks (also blocks another request computes in this
+    very step, HIT-5); registers every full block a chunk computes (generated tokens too, so a
+    resume can hit beyond the prompt). New blocks come from the free list's oldest end like vLLM,
+    or (``mru_p``) its newest end, which reuses slots whose writes or delayed reads are still
+    pending. The workload emits `MM` and `DEF` on most steps only (sparse keys, SLOT-4). Each
+    request carries its whole token sequence, so its rows are functions of its token prefix.
 
     Each saved step is consumed one to ``max_lag`` steps late, on a builder thread when
     ``builder`` is set, by `materialize` (a random subset of its requests at times) or
@@ -1128,46 +1133,40 @@ class Workload:
     ) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
-        self.block_size = engine.block_size
-        self.max_running = max_running
-        self.max_chunk = max_chunk
-        self.max_decode = max_decode
-        self.abort_p = abort_p
-        self.reuse_p = reuse_p
         self.sparse_p = sparse_p
         self.discard_p = discard_p
         self.subset_p = subset_p
-        self.idle_p = idle_p
-        self.preempt_p = preempt_p
-        self.resume_p = resume_p
-        self.end_preempted_p = end_preempted_p
-        self.cut_hit_p = cut_hit_p
-        self.aim_hit_p = aim_hit_p
         self.max_lag = max_lag
-        self.mru_p = mru_p
         self.check_pool_every = check_pool_every
-        self.families = [
-            tuple(f * 10_000 + i for i in range(3 * self.block_size)) for f in range(families)
-        ]
-        num_blocks = engine.m.config.num_blocks
-        self.free: collections.deque[int] = collections.deque(range(num_blocks))
-        self.ref = [0] * num_blocks
-        self.block_hash: dict[int, int] = {}
-        self.hash_block: dict[int, int] = {}
-        self.written = [False] * num_blocks
-        self.live: dict[str, _Live] = {}
-        self.waiting: dict[str, _Live] = {}  # preempted, oldest first
         self.counts = WorkloadCounts()
+        knobs = Knobs(
+            max_running=max_running,
+            max_chunk=max_chunk,
+            max_decode=max_decode,
+            families=families,
+            abort_p=abort_p,
+            reuse_p=reuse_p,
+            idle_p=idle_p,
+            preempt_p=preempt_p,
+            resume_p=resume_p,
+            end_preempted_p=end_preempted_p,
+            cut_hit_p=cut_hit_p,
+            aim_hit_p=aim_hit_p,
+            mru_p=mru_p,
+        )
+        self.scheduler = Scheduler(
+            engine.m.config.num_blocks,
+            engine.block_size,
+            _Records(engine, self.counts),
+            rng=self.rng,
+            knobs=knobs,
+            counts=self.counts,
+            aim=self._delivered,
+        )
         self.errors: list[str] = []
         #: Saves that failed with no trace (a fault: D19); their steps' requests were aborted.
         self.failed_saves: list[BaseException] = []
-        #: (hash, block) pairs the current step registered, dropped again if its save fails.
-        self._registered: list[tuple[int, int]] = []
         self.outputs: list[tuple[int, dict[str, Any]]] = []
-        self._next_req = 0
-        self._next_token = 1_000_000
-        self._producing: set[int] = set()
-        self._preempted_now: set[str] = set()
         # Saved steps waiting to be consumed, each with the step count at which it is due.
         self._late: list[tuple[int, _Item]] = []
         # Steps the consumer was handed and has not consumed (refused for now), oldest first.
@@ -1181,210 +1180,20 @@ class Workload:
         if self._builder is not None:
             self._builder.start()
 
-    # Blocks -----------------------------------------------------------------------------------
-
-    def _alloc(self) -> int:
-        # Least recently freed first, like vLLM; but the cache must hold under any recycling
-        # order, and taking the block freed last reuses slots while their writes are in flight.
-        block = self.free.pop() if self.rng.random() < self.mru_p else self.free.popleft()
-        old = self.block_hash.pop(block, None)
-        if old is not None and self.hash_block.get(old) == block:
-            del self.hash_block[old]
-        if self.written[block]:
-            self.counts.recycled_blocks += 1
-        self.ref[block] = 1
-        return block
-
-    def _release(self, blocks: Iterable[int]) -> None:
-        for block in blocks:
-            self.ref[block] -= 1
-            if self.ref[block] == 0:
-                self.free.append(block)
-
-    def _cached_blocks(self, ids: tuple[int, ...], limit: int) -> int:
-        """How many leading full blocks of a token sequence are registered, at most `limit`."""
-        size = self.block_size
-        count = 0
-        while count < limit and ids[(count + 1) * size - 1] in self.hash_block:
-            count += 1
-        return count
-
-    def _take_blocks(self, ids: tuple[int, ...], hit: int, total: int) -> list[int] | None:
-        """The first `hit` registered blocks of `ids` plus fresh blocks up to `total` tokens."""
-        size = self.block_size
-        hit_blocks = [self.hash_block[ids[(i + 1) * size - 1]] for i in range(hit)]
-        needed = -(-total // size) - hit
-        free_for_new = len(self.free) - sum(1 for b in hit_blocks if self.ref[b] == 0)
-        if needed > free_for_new:
-            return None
-        for block in hit_blocks:
-            if self.ref[block] == 0:
-                self.free.remove(block)
-            self.ref[block] += 1
-        return hit_blocks + [self._alloc() for _ in range(needed)]
+    def _delivered(self, req: str) -> int:
+        """Where the builder has delivered the request, once it consumed what it was handed (an
+        engine that knows its consumer's progress); a cursor inside a block gives a hit below it."""
+        self._wait_for_builder()
+        return self.engine.cursor(req) or 0
 
     # One step ---------------------------------------------------------------------------------
-
-    def _end_requests(self) -> list[str]:
-        ended = []
-        engine = self.engine
-        for req in list(self.live):
-            state = self.live[req]
-            done = engine.reqs[req].computed >= len(state.tokens)
-            if done or self.rng.random() < self.abort_p:
-                engine.finish(req, abort=not done)
-                self._release(state.blocks)
-                del self.live[req]
-                ended.append(req)
-                if done:
-                    self.counts.finishes += 1
-                else:
-                    self.counts.aborts += 1
-        for req in list(self.waiting):
-            chance = self.rng.random()
-            if chance < self.end_preempted_p:
-                abort = chance < self.end_preempted_p / 2
-                engine.finish(req, abort=abort)  # LIFE-2: a preempted request may end
-                del self.waiting[req]
-                ended.append(req)
-                if abort:
-                    self.counts.preempted_aborts += 1
-                else:
-                    self.counts.preempted_finishes += 1
-        return ended
-
-    def _preempt(self) -> None:
-        self._preempted_now = set()
-        for req in list(self.live):
-            computed = self.engine.reqs[req].computed
-            # vLLM preempts a request when it needs a new block and none is free: most often
-            # at a block boundary.
-            boundary = computed % self.block_size == 0
-            if self.rng.random() >= self.preempt_p * (4 if boundary else 1):
-                continue
-            state = self.live.pop(req)
-            state.computed = computed
-            self.engine.preempt(req)
-            self._release(reversed(state.blocks))  # like vLLM: the tail is evicted first
-            state.blocks = []
-            self.waiting[req] = state
-            self._preempted_now.add(req)
-            self.counts.preemptions += 1
-
-    def _resume(self, req: str, schedule: dict[str, int]) -> int | None:
-        """Resume a preempted request with a new hit; None when its blocks do not fit."""
-        rng = self.rng
-        state = self.waiting[req]
-        # The tokens it knows: its prompt, or what it computed plus the token it sampled last.
-        known = max(state.prompt, state.computed + 1)
-        longest = self._cached_blocks(state.ids, (known - 1) // self.block_size)
-        chance = rng.random()
-        if chance < self.cut_hit_p:
-            hit = rng.randint(0, longest)
-        elif chance < self.cut_hit_p + self.aim_hit_p:
-            # At what the builder delivered, once it consumed what it was handed (an engine
-            # that knows its consumer's progress); a cursor inside a block gives a hit below it.
-            self._wait_for_builder()
-            hit = min(longest, (self.engine.cursor(req) or 0) // self.block_size)
-        else:
-            hit = longest
-        blocks = self._take_blocks(state.ids, hit, len(state.tokens))
-        if blocks is None:
-            return None
-        hit_end = hit * self.block_size
-        self.engine.resume(req, blocks, hit_end=hit_end)
-        state.blocks = blocks
-        state.prefill_end = known
-        self.live[req] = self.waiting.pop(req)
-        counts = self.counts
-        counts.resumes += 1
-        counts.same_step_resumes += req in self._preempted_now
-        counts.resume_beyond_prompt += hit_end > state.prompt
-        counts.resume_same_step_hits += any(b in self._producing for b in blocks[:hit])
-        self._schedule_one(req, schedule)
-        return hit_end
-
-    def _admit(self, req: str, schedule: dict[str, int]) -> bool:
-        rng = self.rng
-        family = self.families[rng.randrange(len(self.families))]
-        shared = rng.randrange(0, len(family) // self.block_size + 1) * self.block_size
-        tail = rng.randint(1, 2 * self.block_size + 1)
-        decode = rng.randint(0, self.max_decode)
-        fresh = self._next_token
-        prompt = family[:shared] + tuple(range(fresh, fresh + tail))
-        tokens = prompt + tuple(range(fresh + tail, fresh + tail + decode))
-        ids = self.engine.prefix_ids(tokens)
-        hit = self._cached_blocks(ids, (len(prompt) - 1) // self.block_size)
-        blocks = self._take_blocks(ids, hit, len(tokens))
-        if blocks is None:
-            return False
-        self._next_token += tail + decode
-        hit_end = hit * self.block_size
-        self.counts.reuses_with_open_steps += self.engine.open_steps_of(req) > 0
-        self.engine.start(req, blocks, hit_end=hit_end, tokens=tokens)
-        self.live[req] = _Live(tokens, ids, len(prompt), blocks, len(prompt))
-        if hit:
-            self.counts.hit_requests += 1
-            self.counts.hit_rows += hit_end
-            if any(b in self._producing for b in blocks[:hit]):
-                self.counts.same_step_hits += 1
-        self._schedule_one(req, schedule)
-        return True
-
-    def _schedule_one(self, req: str, schedule: dict[str, int]) -> None:
-        state = self.live[req]
-        computed = self.engine.reqs[req].computed
-        if self.rng.random() < self.idle_p:
-            count = 0  # in the layout with no rows this step
-        elif computed < state.prefill_end:
-            count = min(self.rng.randint(1, self.max_chunk), state.prefill_end - computed)
-        else:
-            count = 1
-        schedule[req] = count
-        size = self.block_size
-        for i in range(computed // size, (computed + count) // size):
-            block = state.blocks[i]
-            self._producing.add(block)
-            key = state.ids[(i + 1) * size - 1]
-            if key not in self.hash_block:
-                self.hash_block[key] = block
-                self.block_hash[block] = key
-                self._registered.append((key, block))
-        for pos in range(computed, computed + count):
-            self.written[state.blocks[pos // size]] = True
 
     def step(self) -> None:
         """Run one engine step and hand the steps that are due to the consumer."""
         rng = self.rng
         engine = self.engine
-        ended = self._end_requests()
-        self._producing = set()
-        self._registered = []
-        if self.preempt_p:
-            self._preempt()
-        schedule: dict[str, int] = {}
-        for req in self.live:
-            self._schedule_one(req, schedule)
-        resumed: list[tuple[str, int]] = []
-        for req in list(self.waiting):  # preempted requests come back before new ones
-            if len(self.live) >= self.max_running:
-                break
-            # Now and then a request preempted in this very step comes back in it (LIFE-2).
-            back = req not in self._preempted_now or rng.random() < 0.2
-            if back and rng.random() < self.resume_p:
-                hit_end = self._resume(req, schedule)
-                if hit_end is None:
-                    break
-                resumed.append((req, hit_end))
-        while len(self.live) < self.max_running and rng.random() < 0.7:
-            if ended and rng.random() < self.reuse_p:
-                req = ended.pop()  # HIT-2: finished and admitted again in one step
-                self.counts.id_reuses += 1
-            else:
-                req = f"r{self._next_req}"
-                self._next_req += 1
-            if not self._admit(req, schedule):
-                break
+        plan = self.scheduler.plan()
+        schedule, resumed = plan.schedule, list(plan.resumed)
         emit = [key for key in (MM, DEF) if rng.random() >= self.sparse_p]
         if len(emit) < 2:
             self.counts.sparse_steps += 1
@@ -1397,8 +1206,12 @@ class Workload:
         try:
             saved = engine.save(emit=emit)
         except (StagingCopyError, HostAllocationError) as exc:
-            self._failed_save(schedule, exc)
+            # A save failed with no trace (STEP-5): as after a failed forward, publish none of
+            # the step's blocks and abort its requests (D6, D10).
+            self.failed_saves.append(exc)
+            self.scheduler.fail(schedule)
             return
+        self.scheduler.commit(schedule)
         self.counts.steps += 1
         subset: list[str] | None = None
         discard = rng.random() < self.discard_p
@@ -1414,21 +1227,6 @@ class Workload:
             self._consume(item)
         if self.check_pool_every and self.counts.steps % self.check_pool_every == 0:
             self.errors.extend(pool_mismatches(engine.m, engine.oracle))
-
-    def _failed_save(self, schedule: Mapping[str, int], exc: BaseException) -> None:
-        """A save failed with no trace (STEP-5): as after a failed forward, publish none of the
-        step's blocks and abort its requests (D6, D10)."""
-        self.failed_saves.append(exc)
-        for key, block in self._registered:
-            if self.hash_block.get(key) == block:
-                del self.hash_block[key]
-                self.block_hash.pop(block, None)
-        for req in schedule:
-            state = self.live.pop(req, None)
-            if state is not None:
-                self.engine.finish(req, abort=True)
-                self._release(state.blocks)
-                self.counts.aborts += 1
 
     def _classify(
         self, resumed: list[tuple[str, int]], cursors: list[int | None], exact: bool
