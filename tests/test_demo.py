@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from omni_cache_cuda.demo import main
-from omni_cache_cuda.demo._engine import BlockAllocator, Engine, EngineConfig, block_hash
+from omni_cache_cuda.demo._engine import Engine, EngineConfig
 from omni_cache_cuda.demo._model import ModelConfig, TinyCausalLM
 from omni_cache_cuda.demo._run import _Progress, compare_runs, make_progress
 from omni_cache_cuda.demo._stages import TALKER_KEY, DirectSink, OmniSink, Talker
 from omni_cache_cuda.demo._workload import WorkloadConfig, make_workload
+from omni_cache_cuda.sim import BlockPool, prefix_hashes
 
 # Small enough to run in a few seconds on 2 cores, large enough that cached blocks are evicted
 # and recycled while shared prefixes still hit.
@@ -109,25 +110,26 @@ def test_comparison_catches_a_perturbed_row(kv_runs):
 
 def test_block_allocator_reuses_least_recently_freed_and_evicts():
     """Freed blocks come back oldest first, tail before head, and reuse drops their hash."""
-    alloc = BlockAllocator(4, 2)
+    alloc = BlockPool(4)
     first = alloc.allocate(2)
-    h0 = block_hash(None, [1, 2])
-    h1 = block_hash(h0, [3, 4])
-    assert alloc.cache(first[0], h0) and alloc.cache(first[1], h1)
-    assert not alloc.cache(first[1], h0)
-    alloc.free(first)
+    h0, h1 = prefix_hashes([1, 2, 3, 4])[1::2]
+    assert alloc.register(first[0], h0) and alloc.register(first[1], h1)
+    assert not alloc.register(first[1], h0)
+    for block in first:
+        alloc.mark_written(block)
+    alloc.release(reversed(first))  # the engine frees a request's blocks tail first
     assert alloc.lookup([h0, h1]) == first
     alloc.allocate(2)  # the two never-used blocks
     assert alloc.allocate(1) == [first[1]]  # the tail block of the freed request goes first
     assert alloc.lookup([h0, h1]) == [first[0]]
-    assert alloc.evictions == 1 and alloc.reuses == 1
+    assert alloc.evictions == 1 and alloc.recycled == 1
     alloc.check_invariants()
 
 
 def test_block_hash_chains_on_the_parent():
     """Equal blocks after different prefixes hash differently."""
-    assert block_hash(None, [5, 6]) != block_hash(block_hash(None, [1, 2]), [5, 6])
-    assert block_hash(None, [5, 6]) == block_hash(None, (5, 6))
+    assert prefix_hashes([5, 6])[1] != prefix_hashes([1, 2, 5, 6])[3]
+    assert prefix_hashes([5, 6]) == prefix_hashes((5, 6))
 
 
 class _Kind(enum.Enum):

@@ -23,13 +23,16 @@ Theory of operation, in the order one engine step runs:
 
 Freed blocks are reused least recently freed first (a request's tail blocks ahead of its head
 blocks), so slots really are recycled: reusing a cached block evicts its hash.
+
+The requests, the KV blocks and the prefix cache are the simulated scheduler's
+(`omni_cache_cuda.sim.Scheduler`, which the soak and the tests drive too); this module adds the
+token-budget policy above, the model's forward over the paged KV cache and the sink.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -38,11 +41,12 @@ import torch
 from attrs import define, field, frozen
 from attrs.validators import gt
 
+from omni_cache_cuda.sim import Scheduler, SimRequest, prefix_hashes
+
 from ._model import ModelConfig, PagedKVCache, SeqSlice, TinyCausalLM
 from ._workload import RequestSpec
 
 __all__ = [
-    "BlockAllocator",
     "EndedRecord",
     "Engine",
     "EngineConfig",
@@ -50,119 +54,7 @@ __all__ = [
     "StartedRecord",
     "StepPlan",
     "StepSink",
-    "block_hash",
 ]
-
-
-def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """Hash one full block of token ids, chained on the hash of the block before it.
-
-    Args:
-        parent: Hash of the previous block of the same sequence, None for the first block.
-        tokens: The block's token ids.
-
-    Returns:
-        A 16-byte digest; equal digests mean equal token prefixes up to and including this block.
-    """
-    digest = hashlib.blake2b(parent or b"", digest_size=16)
-    digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return digest.digest()
-
-
-class BlockAllocator:
-    """KV block pool with reference counts and a least-recently-freed reuse order."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        """Create ``num_blocks`` free, uncached blocks.
-
-        Args:
-            num_blocks: Number of KV blocks.
-            block_size: Tokens per block.
-        """
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._ref_count = [0] * num_blocks
-        self._hash: list[bytes | None] = [None] * num_blocks
-        # Insertion order is reuse order: the front is the block freed longest ago.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[bytes, int] = {}
-        self._ever_allocated = [False] * num_blocks
-        #: Cached blocks whose hash was dropped because the block was handed out again.
-        self.evictions = 0
-        #: Allocations of a block that some earlier request already wrote (slots recycled).
-        self.reuses = 0
-
-    @property
-    def num_free(self) -> int:
-        """Blocks with no reference, cached or not."""
-        return len(self._free)
-
-    def count_unreferenced(self, block_ids: Sequence[int]) -> int:
-        """Return how many of ``block_ids`` sit in the free queue (touching them takes them out)."""
-        return sum(1 for b in block_ids if self._ref_count[b] == 0)
-
-    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
-        """Return the cached blocks of the longest prefix of ``hashes`` that is cached."""
-        found = []
-        for h in hashes:
-            block = self._cached.get(h)
-            if block is None:
-                break
-            found.append(block)
-        return found
-
-    def touch(self, block_ids: Sequence[int]) -> None:
-        """Take a reference on cached blocks a request hits."""
-        for b in block_ids:
-            if self._ref_count[b] == 0:
-                del self._free[b]
-            self._ref_count[b] += 1
-
-    def allocate(self, count: int) -> list[int]:
-        """Hand out ``count`` blocks, least recently freed first, evicting their hashes.
-
-        Raises:
-            RuntimeError: Fewer than ``count`` blocks are free; nothing is allocated.
-        """
-        if count > len(self._free):
-            raise RuntimeError(f"asked for {count} KV blocks, {len(self._free)} free")
-        blocks = []
-        for _ in range(count):
-            b, _ = self._free.popitem(last=False)
-            old = self._hash[b]
-            if old is not None:
-                del self._cached[old]
-                self._hash[b] = None
-                self.evictions += 1
-            if self._ever_allocated[b]:
-                self.reuses += 1
-            self._ever_allocated[b] = True
-            self._ref_count[b] = 1
-            blocks.append(b)
-        return blocks
-
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block; unreferenced ones join the free queue, tail first."""
-        for b in reversed(block_ids):
-            self._ref_count[b] -= 1
-            if self._ref_count[b] == 0:
-                self._free[b] = None
-
-    def cache(self, block_id: int, h: bytes) -> bool:
-        """Register a full block under its hash; False if another block already holds the hash."""
-        if h in self._cached:
-            return False
-        self._cached[h] = block_id
-        self._hash[block_id] = h
-        return True
-
-    def check_invariants(self) -> None:
-        """Assert that reference counts, the free queue and the hash map agree."""
-        for b in range(self.num_blocks):
-            assert self._ref_count[b] >= 0, b
-            assert (self._ref_count[b] == 0) == (b in self._free), b
-        for h, b in self._cached.items():
-            assert self._hash[b] == h, b
 
 
 @frozen(kw_only=True)
@@ -260,12 +152,31 @@ class StepSink(Protocol):
 @define
 class _Request:
     spec: RequestSpec
-    tokens: list[int]
-    num_computed: int
-    block_ids: list[int]
-    block_hashes: list[bytes]
-    reserved_blocks: int
+    sim: SimRequest
     output: list[int] = field(factory=list)
+
+
+class _NoRecords:
+    """The scheduler's lifecycle records: the demo's plan carries its own (`StepPlan`)."""
+
+    def start(
+        self,
+        req: str,
+        blocks: Sequence[int],
+        *,
+        hit_end: int = 0,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
+        pass
+
+    def finish(self, req: str, *, abort: bool = False) -> None:
+        pass
+
+    def preempt(self, req: str) -> None:
+        raise AssertionError(f"the demo's engine never preempts ({req})")
+
+    def resume(self, req: str, blocks: Sequence[int], *, hit_end: int = 0) -> None:
+        raise AssertionError(f"the demo's engine never preempts ({req})")
 
 
 @frozen(kw_only=True)
@@ -343,8 +254,12 @@ class Engine:
             block_size=config.block_size,
             device=self.device,
         )
-        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
-        self._reserved_blocks = 0
+        self.scheduler = Scheduler(
+            config.num_blocks,
+            config.block_size,
+            _NoRecords(),
+            prefix_caching=config.enable_prefix_caching,
+        )
         self._prompt_tokens = 0
         self._hit_tokens = 0
         self._computed_tokens = 0
@@ -446,8 +361,8 @@ class Engine:
         if step_s:
             step_s[-1] += end_s - last_s
         wall_s = end_s - start_s
-        self.allocator.check_invariants()
-        assert self._reserved_blocks == 0, self._reserved_blocks
+        self.scheduler.pool.check_invariants()
+        assert self.scheduler.reserved == 0, self.scheduler.reserved
         return RunReport(
             outputs=outputs,
             aborted=frozenset(aborted),
@@ -456,43 +371,14 @@ class Engine:
             prompt_tokens=self._prompt_tokens,
             hit_tokens=self._hit_tokens,
             computed_tokens=self._computed_tokens,
-            evictions=self.allocator.evictions,
-            block_reuses=self.allocator.reuses,
+            evictions=self.scheduler.pool.evictions,
+            block_reuses=self.scheduler.pool.recycled,
             step_s=tuple(step_s),
             step_tokens=tuple(step_tokens),
             step_prompt_tokens=tuple(step_prompt),
             step_hit_tokens=tuple(step_hit),
             step_done=tuple(step_done),
         )
-
-    def _prompt_hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        bs = self.config.block_size
-        # Only blocks strictly before the last prompt token may hit: the last token must be
-        # computed so that its hidden state yields the first output token.
-        hashes: list[bytes] = []
-        for i in range((len(prompt) - 1) // bs):
-            hashes.append(block_hash(hashes[-1] if hashes else None, prompt[i * bs : (i + 1) * bs]))
-        return hashes
-
-    def _register_full_blocks(self, req: _Request, upto: int) -> None:
-        if not self.config.enable_prefix_caching:
-            return
-        bs = self.config.block_size
-        while (len(req.block_hashes) + 1) * bs <= upto:
-            i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            h = block_hash(parent, req.tokens[i * bs : (i + 1) * bs])
-            # A duplicate (the same prefix computed twice) stays uncached; the chain goes on.
-            self.allocator.cache(req.block_ids[i], h)
-            req.block_hashes.append(h)
-
-    def _ensure_blocks(self, req: _Request, upto: int) -> None:
-        need = self._blocks_for(upto) - len(req.block_ids)
-        if need > 0:
-            assert need <= req.reserved_blocks, (req.spec.req_id, need, req.reserved_blocks)
-            req.block_ids.extend(self.allocator.allocate(need))
-            req.reserved_blocks -= need
-            self._reserved_blocks -= need
 
     def _schedule(
         self,
@@ -502,51 +388,49 @@ class Engine:
         ended: Sequence[EndedRecord],
     ) -> StepPlan:
         cfg = self.config
+        scheduler = self.scheduler
         budget = cfg.max_batched_tokens
         order: list[str] = []
         scheduled: dict[str, int] = {}
         computed: dict[str, int] = {}
         started: list[StartedRecord] = []
-        for req_id, req in running.items():
+        scheduler.begin_step()
+        for req_id, run in running.items():
             if budget == 0:
                 break
-            n = min(len(req.tokens) - req.num_computed, budget)
-            self._ensure_blocks(req, req.num_computed + n)
-            self._register_full_blocks(req, req.num_computed + n)
+            req = run.sim
+            n = min(len(req.tokens) - req.computed, budget)
             order.append(req_id)
             scheduled[req_id] = n
-            computed[req_id] = req.num_computed
+            computed[req_id] = req.computed
+            scheduler.schedule(req, n)
             budget -= n
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             spec = waiting[0]
-            hashes = self._prompt_hashes(spec.prompt) if cfg.enable_prefix_caching else []
-            hit_blocks = self.allocator.lookup(hashes)
-            hit_end = len(hit_blocks) * cfg.block_size
-            prompt_blocks = self._blocks_for(len(spec.prompt)) - len(hit_blocks)
-            total_blocks = self._blocks_for(len(spec.prompt) + spec.max_tokens - 1) - len(
-                hit_blocks
-            )
-            available = self.allocator.num_free - self._reserved_blocks
-            if total_blocks + self.allocator.count_unreferenced(hit_blocks) > available:
-                break
-            remaining = len(spec.prompt) - hit_end
+            prompt_len = len(spec.prompt)
+            hit_end = 0
+            if cfg.enable_prefix_caching:
+                hashes = prefix_hashes(spec.prompt)
+                hit_end = scheduler.cached_blocks(hashes, (prompt_len - 1) // cfg.block_size)
+                hit_end *= cfg.block_size
+            remaining = prompt_len - hit_end
             n = min(remaining, budget)
             if n < remaining and not cfg.enable_chunked_prefill:
                 break
-            waiting.popleft()
-            self.allocator.touch(hit_blocks)
-            req = _Request(
-                spec=spec,
-                tokens=list(spec.prompt),
-                num_computed=hit_end,
-                block_ids=hit_blocks + self.allocator.allocate(prompt_blocks),
-                block_hashes=hashes[: len(hit_blocks)],
-                reserved_blocks=total_blocks - prompt_blocks,
+            # Every block it may ever need (prompt plus outputs) is promised now: no preemption.
+            admitted = scheduler.admit(
+                spec.req_id,
+                spec.prompt,
+                prompt_len,
+                hit_cap=hit_end,
+                reserve_tokens=spec.max_tokens - 1,
             )
-            self._reserved_blocks += req.reserved_blocks
-            self._register_full_blocks(req, hit_end + n)
-            running[spec.req_id] = req
-            self._prompt_tokens += len(spec.prompt)
+            if admitted is None:
+                break
+            waiting.popleft()
+            assert admitted.computed == hit_end, (spec.req_id, admitted.computed, hit_end)
+            running[spec.req_id] = _Request(spec=spec, sim=admitted)
+            self._prompt_tokens += prompt_len
             self._hit_tokens += hit_end
             order.append(spec.req_id)
             scheduled[spec.req_id] = n
@@ -555,10 +439,11 @@ class Engine:
                 StartedRecord(
                     req_id=spec.req_id,
                     hit_end=hit_end,
-                    block_ids=tuple(req.block_ids),
+                    block_ids=tuple(admitted.blocks),
                     scheduled_tokens=n,
                 )
             )
+            scheduler.schedule(admitted, n)
             budget -= n
         self._computed_tokens += sum(scheduled.values())
         return StepPlan(
@@ -566,7 +451,7 @@ class Engine:
             order=tuple(order),
             num_scheduled=scheduled,
             num_computed=computed,
-            block_ids={r: tuple(running[r].block_ids) for r in order},
+            block_ids={r: tuple(running[r].sim.blocks) for r in order},
             started=tuple(started),
             ended=tuple(ended),
         )
@@ -578,7 +463,7 @@ class Engine:
         new_slots: list[np.ndarray] = []
         context_slots: list[np.ndarray] = []
         for req_id in plan.order:
-            req = running[req_id]
+            req = running[req_id].sim
             start, n = plan.num_computed[req_id], plan.num_scheduled[req_id]
             ids.extend(req.tokens[start : start + n])
             pos = np.arange(start + n)
@@ -618,32 +503,29 @@ class Engine:
     ) -> list[EndedRecord]:
         rows: list[int] = []
         sampled: list[_Request] = []
+        self.scheduler.commit(dict(plan.num_scheduled))
         row = 0
         for req_id in plan.order:
-            req = running[req_id]
-            n = plan.num_scheduled[req_id]
-            req.num_computed += n
-            row += n
-            if req.num_computed == len(req.tokens):
+            run = running[req_id]
+            row += plan.num_scheduled[req_id]
+            if run.sim.computed == len(run.sim.tokens):
                 rows.append(row - 1)
-                sampled.append(req)
+                sampled.append(run)
         ended: list[EndedRecord] = []
         if not sampled:
             return ended
         tokens = self.model.greedy(hidden[torch.tensor(rows, device=hidden.device)])
-        for req, token in zip(sampled, tokens, strict=True):
-            req.tokens.append(token)
-            req.output.append(token)
-            spec = req.spec
-            if len(req.output) >= spec.max_tokens:
+        for run, token in zip(sampled, tokens, strict=True):
+            run.sim.append(token)
+            run.output.append(token)
+            spec = run.spec
+            if len(run.output) >= spec.max_tokens:
                 ended.append(EndedRecord(req_id=spec.req_id, aborted=False))
-            elif spec.abort_after is not None and len(req.output) >= spec.abort_after:
+            elif spec.abort_after is not None and len(run.output) >= spec.abort_after:
                 ended.append(EndedRecord(req_id=spec.req_id, aborted=True))
             else:
                 continue
-            # The blocks are free for the next step's scheduler; the sink hears of the end in
-            # that step's begin_step, before any forward can write the recycled slots.
-            self.allocator.free(req.block_ids)
-            self._reserved_blocks -= req.reserved_blocks
-            req.reserved_blocks = 0
+            # The blocks are free for the next step's scheduler (tail first); the sink hears of
+            # the end in that step's begin_step, before any forward can write the recycled slots.
+            self.scheduler.end(spec.req_id, abort=ended[-1].aborted)
         return ended

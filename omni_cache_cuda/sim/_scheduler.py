@@ -195,6 +195,7 @@ class Scheduler:
         counts: SchedulerCounts | None = None,
         aim: Callable[[str], int] | None = None,
         first_token: int = 1_000_000,
+        prefix_caching: bool = True,
     ) -> None:
         """Create a scheduler over ``num_blocks`` free blocks of ``block_size`` tokens.
 
@@ -209,6 +210,7 @@ class Scheduler:
                 of its own).
             aim: For ``aim_hit_p``: the position a resume of the request should hit up to.
             first_token: The first of the fresh tokens that make each prompt's tail unique.
+            prefix_caching: Register full blocks and hit them; False computes every token.
         """
         self.knobs = knobs if knobs is not None else Knobs()
         self.block_size = block_size
@@ -217,6 +219,7 @@ class Scheduler:
         self.pool = BlockPool(num_blocks, rng=rng, mru_p=self.knobs.mru_p)
         self.counts = counts if counts is not None else SchedulerCounts()
         self.aim = aim
+        self.prefix_caching = prefix_caching
         self.live: dict[str, SimRequest] = {}
         self.waiting: dict[str, SimRequest] = {}  # preempted, oldest first
         #: Blocks promised to live requests and not allocated yet.
@@ -257,9 +260,9 @@ class Scheduler:
         """The hit blocks plus fresh ones for ``now_tokens``, with ``reserve`` more promised."""
         hit_blocks = self.hit_blocks(keys, hit)
         needed = self.blocks_for(now_tokens) - hit
-        if reserve and needed + reserve > self.pool.num_free - self.reserved - (
-            self.pool.count_unreferenced(hit_blocks)
-        ):
+        # Blocks promised to other requests are not free for this one.
+        free = self.pool.num_free - self.reserved - self.pool.count_unreferenced(hit_blocks)
+        if needed + reserve > free:
             return None
         blocks = self.pool.take(hit_blocks, needed)
         if blocks is not None:
@@ -288,6 +291,8 @@ class Scheduler:
         """
         keys = prefix_hashes(tokens)
         hit = self.cached_blocks(keys, (prompt_len - 1) // self.block_size)
+        if not self.prefix_caching:
+            hit = 0
         if hit_cap is not None:
             hit = min(hit, hit_cap // self.block_size)
         total = len(tokens) + reserve_tokens
@@ -392,7 +397,7 @@ class Scheduler:
             block = req.blocks[i]
             self._producing.add(block)
             key = req.keys[(i + 1) * size - 1]
-            if self.pool.register(block, key):
+            if self.prefix_caching and self.pool.register(block, key):
                 self._registered.append((key, block))
         for pos in range(req.computed, req.computed + count):
             self.pool.mark_written(req.blocks[pos // size])
