@@ -73,7 +73,8 @@ def rows_for(cache: VllmPrefixCache, order: list[str]) -> torch.Tensor:
     layout = cache.layout(order)
     rows = []
     for write in layout.writes:
-        start = cache._computed[write.req_id]
+        assert cache._open_step is not None
+        start = cache._open_step.starts[write.req_id]
         rows.extend(float(start + i) for i in range(write.row_end - write.row_start))
     return torch.tensor(rows, dtype=torch.float32)[:, None].repeat(1, 2)
 
@@ -310,7 +311,7 @@ def test_preempt_and_resume_under_both_runners(cache: VllmPrefixCache, runner: s
     cache.step_begin(output({"a": 8}, new=[new_req("a", [0, 1])]))
     s1 = save(cache, ["a"])
     cache.step_begin(output({"a": 1}, cached=[("a", [2], 8)]))
-    assert cache._blocks["a"] == [0, 1, 2]
+    assert cache._translation.running["a"] == [0, 1, 2]
     s2 = save(cache, ["a"])
     cache.step_begin(output({}, preempted={"a"}))
     assert cache.live_requests() == {"a": "preempted"}
@@ -320,7 +321,8 @@ def test_preempt_and_resume_under_both_runners(cache: VllmPrefixCache, runner: s
     else:
         so = output({"a": 6}, cached=[("a", [0, 7, 8], 4)], resumed={"a"})
     cache.step_begin(so)
-    assert cache._blocks["a"] == [0, 7, 8] and cache._computed["a"] == 4
+    assert cache._translation.running["a"] == [0, 7, 8]
+    assert cache._open_step is not None and cache._open_step.starts["a"] == 4
     assert cache.layout(["a"]).slots_cpu.tolist() == [28, 29, 30, 31, 32, 33]
     s3 = save(cache, ["a"])
     cache.step_begin(output({}, finished={"a"}))
@@ -332,10 +334,22 @@ def test_preempt_and_resume_under_both_runners(cache: VllmPrefixCache, runner: s
     assert counts["preempted"] == 1 and counts["resumed"] == 1 == counts["resumed_with_hit"]
 
 
+def tracked(cache: VllmPrefixCache) -> tuple[Any, ...]:
+    """What the glue keeps between calls: block lists, preempted ids, the open step, counts."""
+    translation = cache._translation
+    return (
+        {req_id: list(blocks) for req_id, blocks in translation.running.items()},
+        set(translation.preempted),
+        list(translation.in_flight),
+        cache._open_step,
+        cache.counts(),
+    )
+
+
 def test_a_refused_step_changes_nothing(cache: VllmPrefixCache) -> None:
     cache.step_begin(output({"a": 4}, new=[new_req("a", [0])]))
     save(cache, ["a"])
-    before = (dict(cache._blocks), dict(cache._computed), cache.counts())
+    before = tracked(cache)
     # RESUMED of a request that was never preempted: the cache refuses the whole step.
     with pytest.raises(LifecycleError):
         cache.step_begin(
@@ -346,7 +360,7 @@ def test_a_refused_step_changes_nothing(cache: VllmPrefixCache) -> None:
                 resumed={"a"},
             )
         )
-    assert (dict(cache._blocks), dict(cache._computed), cache.counts()) == before
+    assert tracked(cache) == before
     with pytest.raises(BadInputError, match="scheduled_cached_reqs"):
         cache.step_begin(output({"zz": 1}, cached=[("zz", None, 3)]))
     with pytest.raises(BadInputError, match="spec"):
@@ -358,7 +372,7 @@ def test_a_refused_step_changes_nothing(cache: VllmPrefixCache) -> None:
     torn.scheduled_cached_reqs.num_computed_tokens = []
     with pytest.raises(BadInputError, match="scheduled_cached_reqs"):
         cache.step_begin(torn)
-    assert (dict(cache._blocks), dict(cache._computed), cache.counts()) == before
+    assert tracked(cache) == before
     # The engine goes on normally, b starting now (the torn step did not start it).
     cache.step_begin(output({"a": 1, "b": 4}, new=[new_req("b", [3])], cached=[("a", [1], 4)]))
     save(cache, ["a", "b"])
@@ -417,4 +431,4 @@ def test_kept_block_lists_are_copies(cache: VllmPrefixCache) -> None:
     added = [2]
     cache.step_begin(output({"a": 4}, cached=[("a", added, 5)]))
     added.append(98)
-    assert cache._blocks["a"] == [0, 1, 2]
+    assert cache._translation.running["a"] == [0, 1, 2]

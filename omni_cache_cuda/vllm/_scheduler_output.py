@@ -1,0 +1,309 @@
+"""A vLLM scheduler output read into a step's request records.
+
+`TranslationState.translate` reads one ``SchedulerOutput`` in named parts, one method each:
+finished (and aborted) requests, preempted ones, new requests (a start, or the v2 runner's
+resume), the v1 runner's resumed cached requests, and the running cached requests (their added
+blocks and where their tokens start). Each part adds its records and its planned changes to a
+`StepTranslation`; nothing changes until `TranslationState.commit`, which the glue calls once
+the cache took the step's records, so a refused step leaves everything as it was.
+
+The fields read and both model runners' conventions are in the module docstring of
+`omni_cache_cuda.vllm._glue`.
+
+What the state keeps, and why it is not a copy of the cache's request lifecycle: the cache's
+core keeps each request's lifecycle (started, preempted, resumed, ended, what is left to
+deliver) and refuses a record that does not fit it. What this state keeps is what vLLM tells
+only once and a later step's translation needs again:
+
+- each running request's block list: vLLM sends a request's whole block list when it starts or
+  resumes and afterwards only the blocks a step adds, while the write layout of every step
+  needs the whole list (the core never holds block lists; it gets a layout per save);
+- the ids vLLM preempted and has not resumed or ended: the v2 runner announces a resume as a
+  new request under the old id, and ``finished_req_ids`` also names aborted requests that never
+  ran, so telling RESUMED from STARTED, and a FINISHED to send from an id to skip, needs them;
+- the requests the steps still in flight scheduled, for `RequestIdReuseError`.
+
+Where a request's tokens start is not kept across steps: every step's output carries it for
+each scheduled request, so it lives in the step's translation only.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+from omni_cache_core import BadInputError, PrefixCacheEventKind, PrefixCacheRequestEvent
+
+__all__ = ["RequestIdReuseError", "StepTranslation", "TranslationState"]
+
+_STARTED = PrefixCacheEventKind.STARTED
+_RESUMED = PrefixCacheEventKind.RESUMED
+_FINISHED = PrefixCacheEventKind.FINISHED
+_PREEMPTED = PrefixCacheEventKind.PREEMPTED
+
+
+class RequestIdReuseError(BadInputError):
+    """A request id was started again while the engine may still process a step naming it.
+
+    Raised by `VllmPrefixCache.step_begin` before anything changes: the cache and this object's
+    tracking are as they were. vLLM's own state is already wrong at that point; the engine must
+    not go on.
+
+    Attributes:
+        req_id: The reused request id.
+        detail: What was seen, in words.
+    """
+
+    # BadInputError's own three-name tuple is inferred as its type; the base declares any length.
+    _FIELDS: ClassVar[tuple[str, ...]] = ("req_id", "detail")  # type: ignore[assignment]
+
+    def __init__(self, *, req_id: str, detail: str) -> None:
+        self.req_id = req_id
+        self.detail = detail
+        super().__init__(
+            what=f"request id {req_id!r}",
+            expected="a request id not in use by a step still in flight (give every admission "
+            "a fresh id)",
+            got=detail,
+        )
+
+
+class StepTranslation:
+    """One step's records, and the changes they bring to `TranslationState` once accepted.
+
+    Attributes:
+        scheduled: The output's tokens per scheduled request.
+        events: The step's request records, in the order the cache gets them.
+        ended: Finished or aborted requests this state knew (running or preempted).
+        preempting: Requests preempted by this step.
+        joining: Requests starting or resuming in this step -> a copy of their block list.
+        extending: Running requests and the block ids this step adds to their lists.
+        starts: Where each scheduled request's tokens of this step start.
+    """
+
+    __slots__ = ("ended", "events", "extending", "joining", "preempting", "scheduled", "starts")
+
+    def __init__(self, scheduled: Mapping[str, int]) -> None:
+        self.scheduled = scheduled
+        self.events: list[PrefixCacheRequestEvent] = []
+        self.ended: list[str] = []
+        self.preempting: list[str] = []
+        self.joining: dict[str, list[int]] = {}
+        self.extending: list[tuple[str, Sequence[int]]] = []
+        self.starts: dict[str, int] = {}
+
+    def join(self, req_id: str, kind: PrefixCacheEventKind, hit: int, blocks: list[int]) -> None:
+        """Record a request that starts or resumes in this step, with its hit and blocks."""
+        if req_id in self.joining:
+            raise BadInputError(
+                what=f"request {req_id!r}",
+                expected="at most one new or resumed entry per step",
+                got="two",
+            )
+        self.events.append(
+            PrefixCacheRequestEvent(
+                req_id=req_id,
+                kind=kind,
+                hit_end=hit,
+                block_ids=blocks,
+                scheduled_tokens=self.scheduled.get(req_id, 0),
+            )
+        )
+        self.joining[req_id] = blocks
+        self.starts[req_id] = hit
+
+
+class _CachedRequests:
+    """``scheduled_cached_reqs`` read once, its parallel lists checked to line up."""
+
+    __slots__ = ("computed", "new_block_ids", "req_id_set", "req_ids", "resumed_ids")
+
+    def __init__(self, cached: Any) -> None:
+        self.req_ids: Sequence[str] = cached.req_ids
+        self.new_block_ids: Sequence[Any] = cached.new_block_ids
+        self.computed: Sequence[int] = cached.num_computed_tokens
+        self.resumed_ids: Collection[str] = cached.resumed_req_ids or ()
+        # Built once: a decode step lists every running request here.
+        self.req_id_set = set(self.req_ids)
+        lengths = (len(self.req_ids), len(self.new_block_ids), len(self.computed))
+        if not lengths[0] == lengths[1] == lengths[2] or not self.req_id_set.issuperset(
+            self.resumed_ids
+        ):
+            raise BadInputError(
+                what="scheduled_cached_reqs",
+                expected="req_ids, new_block_ids and num_computed_tokens of one length, and "
+                "resumed_req_ids among req_ids",
+                got=f"lengths {lengths[0]}, {lengths[1]}, {lengths[2]} and "
+                f"{len(self.resumed_ids)} resumed",
+            )
+
+
+class TranslationState:
+    """What translating a scheduler output needs to remember from the steps before it.
+
+    Args:
+        kv_group: Which KV cache group's block ids to read (``block_ids[kv_group]``).
+        max_concurrent_batches: Steps the engine keeps in flight; a request started again while
+            one of the previous ``max_concurrent_batches - 1`` steps named its id is refused.
+
+    Attributes:
+        running: Each running request's block list (group ``kv_group``), a private copy.
+        preempted: Requests vLLM preempted and has not resumed or ended: no blocks.
+        in_flight: The scheduled counts of the previous steps the engine may still have in
+            flight (the last ``max_concurrent_batches - 1``).
+    """
+
+    def __init__(self, *, kv_group: int, max_concurrent_batches: int) -> None:
+        self.kv_group = kv_group
+        self.max_concurrent_batches = max_concurrent_batches
+        self.running: dict[str, list[int]] = {}
+        self.preempted: set[str] = set()
+        self.in_flight: collections.deque[Collection[str]] = collections.deque(
+            maxlen=max_concurrent_batches - 1
+        )
+
+    def translate(self, scheduler_output: Any) -> StepTranslation:
+        """Read a step's scheduler output into its records; change nothing.
+
+        Raises:
+            RequestIdReuseError, BadInputError: As for `VllmPrefixCache.step_begin`.
+        """
+        so = scheduler_output
+        _refuse_unsupported(so)
+        step = StepTranslation(so.num_scheduled_tokens)
+        self._finished(so.finished_req_ids, step)
+        _preempted(getattr(so, "preempted_req_ids", None), step)
+        self._new(so.scheduled_new_reqs, step)
+        cached = _CachedRequests(so.scheduled_cached_reqs)
+        self._resumed(cached, step)
+        self._cached(cached, step)
+        return step
+
+    def commit(self, step: StepTranslation, scheduled: Collection[str]) -> None:
+        """Apply an accepted step: ``scheduled`` is the step's own copy of its scheduled ids."""
+        running, preempted = self.running, self.preempted
+        for req_id in step.ended:
+            running.pop(req_id, None)
+            preempted.discard(req_id)
+        for req_id in step.preempting:
+            running.pop(req_id, None)
+            preempted.add(req_id)
+        for req_id, blocks in step.joining.items():
+            preempted.discard(req_id)
+            running[req_id] = blocks
+        for req_id, added in step.extending:
+            running[req_id].extend(added)
+        if self.max_concurrent_batches > 1:
+            self.in_flight.append(scheduled)
+
+    # -----------------------------------------------------------------------------------------
+    # The parts of a scheduler output, in the order their records go to the cache.
+
+    def _finished(self, finished: Iterable[str], step: StepTranslation) -> None:
+        """FINISHED for each finished or aborted request this state knows; skip the others."""
+        if not finished:
+            return
+        for req_id in finished:
+            if req_id in self.running or req_id in self.preempted:
+                step.events.append(PrefixCacheRequestEvent(req_id=req_id, kind=_FINISHED))
+                step.ended.append(req_id)
+
+    def _new(self, new_reqs: Iterable[Any], step: StepTranslation) -> None:
+        """STARTED for each new request, or RESUMED for a preempted id (the v2 runner)."""
+        gone = set(step.ended)
+        for new in new_reqs:
+            req_id = new.req_id
+            blocks = list(self._group_blocks(req_id, new.block_ids))
+            if req_id in step.preempting or (req_id in self.preempted and req_id not in gone):
+                kind = _RESUMED
+            else:
+                if req_id in self.running and req_id not in gone:
+                    raise RequestIdReuseError(
+                        req_id=req_id, detail="a new request under an id that is still running"
+                    )
+                self._refuse_in_flight_reuse(req_id)
+                kind = _STARTED
+            step.join(req_id, kind, new.num_computed_tokens, blocks)
+
+    def _resumed(self, cached: _CachedRequests, step: StepTranslation) -> None:
+        """RESUMED for the v1 runner's resumed requests: their block list is replaced."""
+        for req_id in cached.resumed_ids:
+            i = cached.req_ids.index(req_id)
+            blocks = list(self._group_blocks(req_id, cached.new_block_ids[i] or ()))
+            step.join(req_id, _RESUMED, cached.computed[i], blocks)
+
+    def _cached(self, cached: _CachedRequests, step: StepTranslation) -> None:
+        """Check the other cached requests are running; plan their added blocks and starts."""
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        # Every other cached request must be running here, and stay so through this step.
+        running = (
+            cached.req_id_set.difference(cached.resumed_ids)
+            if cached.resumed_ids
+            else cached.req_id_set
+        )
+        leaving = set(step.ended).union(step.preempting)
+        # A keys view compared with a set looks each id up; set.issubset would copy the keys.
+        if not self.running.keys() >= running or (leaving and not running.isdisjoint(leaving)):
+            stray = sorted(r for r in running if r not in self.running or r in leaving)
+            raise BadInputError(
+                what=f"scheduled_cached_reqs {stray[:5]}",
+                expected="requests this cache saw start or resume and that are still running",
+                got="requests it does not track as running",
+            )
+        if any(new_block_ids):
+            for req_id, added in zip(req_ids, new_block_ids, strict=True):
+                if added is not None and req_id not in step.joining:
+                    step.extending.append((req_id, self._group_blocks(req_id, added)))
+        step.starts.update(zip(req_ids, cached.computed, strict=True))
+
+    # -----------------------------------------------------------------------------------------
+    # Helpers.
+
+    def _group_blocks(self, req_id: str, per_group: Any) -> Sequence[int]:
+        """The block ids of group ``kv_group`` out of a per-group tuple of lists."""
+        try:
+            return per_group[self.kv_group]  # type: ignore[no-any-return]
+        except (IndexError, TypeError):
+            raise BadInputError(
+                what=f"block ids of request {req_id!r}",
+                expected=f"one list per KV cache group, group {self.kv_group} included",
+                got=repr(per_group)[:80],
+            ) from None
+
+    def _refuse_in_flight_reuse(self, req_id: str) -> None:
+        """Refuse a start under an id one of the steps still in flight scheduled."""
+        for back, scheduled in enumerate(reversed(self.in_flight), start=1):
+            if req_id in scheduled:
+                raise RequestIdReuseError(
+                    req_id=req_id,
+                    detail=f"started while the step {back} before this one, which scheduled "
+                    f"the previous request under that id, may still be in flight "
+                    f"({self.max_concurrent_batches} batches in flight)",
+                )
+
+
+def _refuse_unsupported(so: Any) -> None:
+    """Refuse speculative tokens and copy-on-write KV block copies."""
+    if getattr(so, "scheduled_spec_decode_tokens", None):
+        raise BadInputError(
+            what="scheduled_spec_decode_tokens",
+            expected="none (speculative decoding is not supported)",
+            got=f"draft tokens for {len(so.scheduled_spec_decode_tokens)} requests",
+        )
+    if getattr(so, "kv_cache_block_copies", None):
+        raise BadInputError(
+            what="kv_cache_block_copies",
+            expected="none (a copied KV block would carry rows the cache does not move)",
+            got=f"{len(so.kv_cache_block_copies)} block copies",
+        )
+
+
+def _preempted(preempted: Iterable[str] | None, step: StepTranslation) -> None:
+    """PREEMPTED for each preempted request."""
+    if not preempted:
+        return
+    for req_id in preempted:
+        # An id this state never saw running goes on to the cache, which refuses it.
+        step.events.append(PrefixCacheRequestEvent(req_id=req_id, kind=_PREEMPTED))
+        step.preempting.append(req_id)
