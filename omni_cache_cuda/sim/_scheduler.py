@@ -81,6 +81,8 @@ class Knobs:
         abort_p: Chance, per step, that a live request is aborted.
         reuse_p: Chance that an admission takes the id of a request ended in this step (HIT-2).
         idle_p: Chance a live request gets no tokens in a step (in the layout with no rows).
+        idle_fresh: Whether a request started or resumed in this step may get none too (else
+            its first step always computes, so the first step of a run has rows).
         preempt_p: Chance, per step, a live request is preempted (four times that at a block
             boundary, where vLLM most often needs a new block).
         resume_p: Chance, per step, a preempted request resumes.
@@ -100,6 +102,7 @@ class Knobs:
     abort_p: float = 0.04
     reuse_p: float = 0.1
     idle_p: float = 0.04
+    idle_fresh: bool = True
     preempt_p: float = 0.0
     resume_p: float = 0.5
     same_step_resume_p: float = 0.2
@@ -464,7 +467,7 @@ class Scheduler:
                 hit_end = self.resume(req_id, hit=self._resume_hit(self.waiting[req_id]))
                 if hit_end is None:
                     break
-                self._schedule_one(self.live[req_id], schedule)
+                self._schedule_one(self.live[req_id], schedule, fresh=True)
                 resumed.append((req_id, hit_end))
         while len(self.live) < knobs.max_running and rng.random() < knobs.admit_p:
             if ended and rng.random() < knobs.reuse_p:
@@ -476,7 +479,7 @@ class Scheduler:
             admitted = self._admit_random(req_id)
             if admitted is None:
                 break
-            self._schedule_one(admitted, schedule)
+            self._schedule_one(admitted, schedule, fresh=True)
         return StepPlan(schedule=schedule, ended=tuple(ended), resumed=tuple(resumed))
 
     def _end_requests(self) -> list[str]:
@@ -531,9 +534,12 @@ class Scheduler:
             self._next_token += tail + decode
         return req
 
-    def _schedule_one(self, req: SimRequest, schedule: dict[str, int]) -> None:
+    def _schedule_one(
+        self, req: SimRequest, schedule: dict[str, int], *, fresh: bool = False
+    ) -> None:
         rng = self.rng
-        if rng.random() < self.knobs.idle_p:
+        may_idle = self.knobs.idle_fresh or not fresh
+        if may_idle and rng.random() < self.knobs.idle_p:
             count = 0  # in the layout with no rows this step
         elif req.computed < req.prefill_end:
             count = min(rng.randint(1, self.knobs.max_chunk), req.prefill_end - req.computed)

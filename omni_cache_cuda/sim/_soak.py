@@ -88,6 +88,7 @@ SOAK_KNOBS = Knobs(
     abort_p=0.015,
     reuse_p=0.1,
     idle_p=0.04,
+    idle_fresh=False,
     preempt_p=0.03,
     resume_p=0.35,
     same_step_resume_p=0.0,

@@ -38,7 +38,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
@@ -52,6 +51,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from omni_cache_cuda import ModelCachePolicy
+from omni_cache_cuda.sim import extend_hash, float_rows, prefix_hashes
+from omni_cache_cuda.sim import next_token as oracle_next_token
 from omni_cache_cuda.vllm import VllmPrefixCache
 
 VOCAB = 97
@@ -59,48 +60,21 @@ STOP_TOKEN = 7
 HIDDEN = 8
 MM_KEY = "codes.audio"
 MM_WIDTH = 2
-_MASK = (1 << 64) - 1
 
 
 # ---------------------------------------------------------------------------------------------
-# The model: rows and tokens as pure functions of the token prefix.
-
-
-def _mix(h: int) -> int:
-    h = (h ^ (h >> 31)) * 0x9E3779B97F4A7C15 & _MASK
-    h = (h ^ (h >> 29)) * 0xBF58476D1CE4E5B9 & _MASK
-    return h ^ (h >> 32)
-
-
-def prefix_hashes(tokens: Sequence[int]) -> list[int]:
-    """``H[p]``: a hash of ``tokens[:p + 1]``."""
-    out = []
-    h = 0x243F6A8885A308D3
-    for t in tokens:
-        h = _mix(h * 1_000_003 + t + 1)
-        out.append(h)
-    return out
+# The model: rows and tokens as pure functions of the token prefix (the prefix-hash oracle of
+# `omni_cache_cuda.sim`).
 
 
 def next_token(h: int) -> int:
     """The token the model samples after a prefix with hash ``h``."""
-    return 1 + (_mix(h ^ 0x5851F42D4C957F2D) % (VOCAB - 1))
-
-
-_LANES = np.arange(1, HIDDEN + MM_WIDTH + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return oracle_next_token(h, VOCAB)
 
 
 def rows_of(hashes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Hidden rows (width HIDDEN) and mm rows (width MM_WIDTH) for prefix hashes."""
-    h = np.asarray(hashes, dtype=np.uint64).reshape(-1, 1)
-    with np.errstate(over="ignore"):
-        x = h * _LANES
-        x ^= x >> np.uint64(29)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(32)
-    vals = (x >> np.uint64(40)).astype(np.float32) / np.float32(1 << 24)
-    t = torch.from_numpy(vals)
-    return t[:, :HIDDEN].contiguous(), t[:, HIDDEN:].contiguous()
+    return float_rows(hashes, HIDDEN), float_rows(hashes, MM_WIDTH, first_lane=HIDDEN)
 
 
 class Truth:
@@ -117,7 +91,7 @@ class Truth:
             while len(self.tokens) < n:
                 t = next_token(self.hashes[-1])
                 self.tokens.append(t)
-                self.hashes.append(_mix(self.hashes[-1] * 1_000_003 + t + 1))
+                self.hashes.append(extend_hash(self.hashes[-1], t))
 
     def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.extend_to(end)
