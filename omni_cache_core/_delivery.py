@@ -1,91 +1,307 @@
 """Requests and delivery: who is admitted, at which position, and what was handed out (LIFE, DLV).
 
-One *admission* is a request id from its STARTED to its FINISHED or ABORTED; an id started again
-after it ended is a new admission (LIFE-1). Each admission has an entry in a few dense arrays, so
-a save or a consume of hundreds of requests costs a handful of numpy calls, not a Python loop:
+This unit is the one home of a request's state. One *admission* is a request id from its
+STARTED to its FINISHED or ABORTED; an id started again after it ended is a new admission
+(LIFE-1). A live request (running or preempted) maps to its admission's entry in a few dense
+arrays, so a save or a consume of hundreds of requests costs a handful of numpy calls, not a
+Python loop:
 
 - `computed`: the next position the request's rows will be (DLV-1): ``hit_end`` at STARTED or
   RESUMED, advanced by the request's rows at every save.
 - `cursor`: the delivery cursor ``d`` (DLV-2): every position below it was handed out, or passed
   over after a discard (DLV-4). It never moves back.
-- `state`: free, running, preempted or ended.
+- `state`: an `AdmissionState` code per entry.
 
 An entry outlives its admission's end while an unended step carries it, since a late builder may
 still materialize that step; it is freed when the last such step ends. Ended entries are few, so
 the save and consume of a decode step pay nothing for this.
 
-This unit decides nothing about steps, pages or slots; `CacheCore` composes it and asks it for
-positions at save and for the delivered range at consume.
+A request id moves by `_LIFECYCLE` (LIFE-2), as (state, record kind) -> next state:
+
+===========  ===================  ===========
+state        record               next state
+===========  ===================  ===========
+NOT_LIVE     STARTED              RUNNING
+RUNNING      STARTED              RUNNING (a continuation: no new admission, HIT-1)
+RUNNING      PREEMPTED            PREEMPTED
+PREEMPTED    RESUMED              RUNNING
+any          FINISHED, ABORTED    NOT_LIVE (the end of an unknown request is ignored)
+===========  ===================  ===========
+
+This unit decides nothing about steps, pages, slots or writes; `CacheCore` composes it, tells
+it which admissions the unended steps carry, and asks it for positions at save and for the
+delivered range at consume.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Final
+import enum
+from collections.abc import Callable, Iterable
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from omni_cache_core._errors import InvariantError
+from omni_cache_core._contract import PrefixCacheEventKind, PrefixCacheRequestEvent, ReqId
+from omni_cache_core._errors import BadInputError, InvariantError, LifecycleError
 from omni_cache_core._occupancy import any_true
 
-__all__ = ["Admissions", "carried_by"]
+__all__ = ["AdmissionState", "Admissions", "RequestState", "carried_by"]
 
 Int64Array = npt.NDArray[np.int64]
+#: An end or preemption record: (request, kind).
+_Ending = tuple[ReqId, PrefixCacheEventKind]
+#: A start or resume record: (request, kind, hit_end, block ids).
+_Starting = tuple[ReqId, PrefixCacheEventKind, int, tuple[int, ...]]
 
-FREE: Final = 0
-RUNNING: Final = 1
-PREEMPTED: Final = 2
-ENDED: Final = 3
-STATE_NAMES: Final = {FREE: "free", RUNNING: "running", PREEMPTED: "preempted", ENDED: "ended"}
+
+class AdmissionState(enum.IntEnum):
+    """The code of one admission entry in `Admissions.state`."""
+
+    #: Not in use.
+    FREE = 0
+    #: The request runs: its steps are saved (LIFE-1).
+    RUNNING = 1
+    #: The engine took the request's blocks back; its steps can still be consumed (LIFE-3).
+    PREEMPTED = 2
+    #: The admission ended while an unended step still carries it.
+    ENDED = 3
+
+    def __repr__(self) -> str:
+        return f"AdmissionState.{self.name}"
+
+
+class RequestState(enum.Enum):
+    """A request id's state, as a lifecycle record finds it (its value is the error's wording)."""
+
+    #: Never started, or ended.
+    NOT_LIVE = "not live"
+    #: Started or resumed, not ended.
+    RUNNING = "running"
+    #: Preempted, not resumed or ended.
+    PREEMPTED = "preempted"
+
+    def __repr__(self) -> str:
+        return f"RequestState.{self.name}"
+
+
+_K = PrefixCacheEventKind
+_STARTS: Final = (_K.STARTED, _K.RESUMED)
+_NOT_LIVE, _RUNNING, _PREEMPTED = (
+    RequestState.NOT_LIVE,
+    RequestState.RUNNING,
+    RequestState.PREEMPTED,
+)
+
+# LIFE-2: the legal records per request state; anything else raises `LifecycleError`.
+_LIFECYCLE: Final[dict[tuple[RequestState, PrefixCacheEventKind], RequestState]] = {
+    (_NOT_LIVE, _K.STARTED): _RUNNING,
+    (_RUNNING, _K.STARTED): _RUNNING,
+    (_RUNNING, _K.PREEMPTED): _PREEMPTED,
+    (_PREEMPTED, _K.RESUMED): _RUNNING,
+    **{(state, end): _NOT_LIVE for state in RequestState for end in (_K.FINISHED, _K.ABORTED)},
+}
+
+_FREE: Final = AdmissionState.FREE.value
+_RUNNING_CODE: Final = AdmissionState.RUNNING.value
+_PREEMPTED_CODE: Final = AdmissionState.PREEMPTED.value
+_ENDED_CODE: Final = AdmissionState.ENDED.value
 
 _INITIAL_ENTRIES: Final = 64
 
 
 class Admissions:
-    """The per-admission position and delivery state (LIFE-1, DLV-1, DLV-2)."""
+    """Live requests, their admissions' positions and delivery state (LIFE-1..4, DLV-1, DLV-2)."""
 
-    __slots__ = ("_free", "computed", "cursor", "ended", "state")
+    __slots__ = (
+        "_free",
+        "_known_layout",
+        "_live",
+        "_preempted",
+        "computed",
+        "cursor",
+        "ended",
+        "state",
+    )
 
     def __init__(self) -> None:
         self.computed: Int64Array = np.zeros(_INITIAL_ENTRIES, dtype=np.int64)
         self.cursor: Int64Array = np.zeros(_INITIAL_ENTRIES, dtype=np.int64)
+        #: One `AdmissionState` code per entry.
         self.state = np.zeros(_INITIAL_ENTRIES, dtype=np.int8)
         #: Entries whose admission ended while unended steps still carry them.
         self.ended: set[int] = set()
         # Lowest entries first, so a run reuses a small prefix of the arrays.
         self._free: list[int] = list(range(_INITIAL_ENTRIES - 1, -1, -1))
+        #: Live requests (running or preempted) and their admission's entry (LIFE-1).
+        self._live: dict[ReqId, int] = {}
+        #: How many live requests are preempted (their state is in `state`).
+        self._preempted = 0
+        #: The last layout found distinct and running, with its entries, kept until a request
+        #: ends or is preempted (a cache only: not part of the state).
+        self._known_layout: tuple[tuple[ReqId, ...], frozenset[ReqId], Int64Array] | None = None
+
+    # ---------------------------------------------------------------------------------------
+    # Queries.
+
+    def state_of(self, req_id: ReqId) -> RequestState:
+        """The request id's lifecycle state."""
+        entry = self._live.get(req_id)
+        if entry is None:
+            return RequestState.NOT_LIVE
+        if self.state[entry] == _PREEMPTED_CODE:
+            return RequestState.PREEMPTED
+        return RequestState.RUNNING
+
+    def is_live(self, req_id: ReqId) -> bool:
+        """Whether the request is running or preempted."""
+        return req_id in self._live
+
+    def live(self) -> dict[ReqId, RequestState]:
+        """Every live request's state, by id in sorted order."""
+        return {r: self.state_of(r) for r in sorted(self._live)}
+
+    @property
+    def any_preempted(self) -> bool:
+        """Whether some live request is preempted."""
+        return self._preempted > 0
+
+    def entry_of(self, req_id: ReqId) -> int:
+        """The live request's admission entry."""
+        return self._live[req_id]
 
     # ---------------------------------------------------------------------------------------
     # Lifecycle (LIFE-1..4).
 
-    def admit(self, hit_end: int) -> int:
-        """Open an admission whose positions start at `hit_end`; return its entry."""
+    def split_records(
+        self,
+        events: Iterable[PrefixCacheRequestEvent],
+        check_hit: Callable[[ReqId, int, tuple[int, ...]], None],
+    ) -> tuple[list[_Ending], list[_Starting]]:
+        """Split a step's records into ends (and preemptions) and starts, checking each (LIFE-2).
+
+        `check_hit` checks a start's hit (HIT-1) as its record is read.
+
+        Raises:
+            BadInputError: A request started twice in the step, or a bad hit (HIT-1, FAIL-5).
+            LifecycleError: A record is illegal in its request's state (LIFE-2).
+            In both cases nothing changes.
+        """
+        ending: list[_Ending] = []
+        starting: list[_Starting] = []
+        seen: set[str] = set()
+        for event in events:
+            req_id = cast(ReqId, event.req_id)
+            kind = event.kind
+            if kind in _STARTS:
+                if req_id in seen:
+                    raise BadInputError(
+                        what=f"request {req_id!r}",
+                        expected="at most one STARTED or RESUMED record per step",
+                        got="two",
+                    )
+                seen.add(req_id)
+                if event.hit_end:
+                    check_hit(req_id, event.hit_end, event.block_ids)
+                starting.append((req_id, kind, event.hit_end, event.block_ids))
+            else:
+                ending.append((req_id, kind))
+        # Only ends, preemptions and resumes can be illegal while no request is preempted.
+        if ending or self._preempted or any(kind is _K.RESUMED for _, kind, _, _ in starting):
+            self.check_records(ending, starting)
+        return ending, starting
+
+    def check_records(self, ending: list[_Ending], starting: list[_Starting]) -> None:
+        """LIFE-2: check a step's records against each request's state, changing nothing.
+
+        Ends and preemptions are applied first, in order, then starts and resumes (HIT-2).
+
+        Raises:
+            LifecycleError: A record is illegal in its request's state; nothing changes.
+        """
+        after: dict[ReqId, RequestState] = {}  # the state each request reaches within this step
+        for req_id, kind in ending:
+            now = after.get(req_id) or self.state_of(req_id)
+            nxt = _LIFECYCLE.get((now, kind))
+            if nxt is None:
+                raise LifecycleError(req_id=req_id, event=kind.value, state=now.value)
+            after[req_id] = nxt
+        for req_id, kind, _, _ in starting:
+            now = after.get(req_id) or self.state_of(req_id)
+            if (now, kind) not in _LIFECYCLE:
+                raise LifecycleError(req_id=req_id, event=kind.value, state=now.value)
+
+    def admit(self, req_id: ReqId, hit_end: int) -> None:
+        """Open an admission whose positions start at `hit_end`."""
         if not self._free:
             self._grow()
         entry = self._free.pop()
-        self.state[entry] = RUNNING
+        self.state[entry] = _RUNNING_CODE
         self.computed[entry] = hit_end
         self.cursor[entry] = 0
-        return entry
+        self._live[req_id] = entry
 
-    def preempt(self, entry: int) -> None:
+    def preempt(self, req_id: ReqId) -> None:
         """LIFE-3: the admission keeps its cursor; its positions restart at the resume."""
-        self.state[entry] = PREEMPTED
+        self.state[self._live[req_id]] = _PREEMPTED_CODE
+        self._preempted += 1
+        self._known_layout = None
 
-    def resume(self, entry: int, hit_end: int) -> int:
+    def resume(self, req_id: ReqId, hit_end: int) -> int:
         """LIFE-4: positions restart at `hit_end`. Returns the delivery cursor (DLV-3)."""
-        self.state[entry] = RUNNING
+        entry = self._live[req_id]
+        self.state[entry] = _RUNNING_CODE
+        self._preempted -= 1
         self.computed[entry] = hit_end
         return int(self.cursor[entry])
 
-    def end(self, entry: int, carried: bool) -> None:
-        """The admission ended; its entry is freed now, or once no unended step carries it."""
-        if carried:
-            self.state[entry] = ENDED
+    def end(self, req_id: ReqId, steps: Iterable[Int64Array]) -> None:
+        """The admission ended; its entry is freed now, or once no unended step carries it.
+
+        `steps`: the entries of every unended step.
+        """
+        entry = self._live.pop(req_id)
+        if self.state[entry] == _PREEMPTED_CODE:
+            self._preempted -= 1
+        self._known_layout = None
+        if carried_by(entry, steps):
+            self.state[entry] = _ENDED_CODE
             self.ended.add(entry)
         else:
             self._release_entry(entry)
+
+    def check_layout(self, req_ids: tuple[ReqId, ...]) -> tuple[frozenset[ReqId], Int64Array]:
+        """Check a save's requests are distinct and running (D9, LIFE-3); return their entries.
+
+        Raises:
+            BadInputError: A repeat, a request not live or a preempted one; nothing changes.
+        """
+        known = self._known_layout
+        if known is not None and req_ids == known[0]:
+            return known[1], known[2]  # decode steps repeat the layout: checked already
+        unique = frozenset(req_ids)
+        if len(unique) != len(req_ids):
+            raise BadInputError(
+                what="write layout requests", expected="distinct request ids", got="a repeat"
+            )
+        live = self._live
+        if not unique <= live.keys():
+            missing = sorted(unique - live.keys())[:4]
+            raise BadInputError(
+                what="write layout requests",
+                expected="requests STARTED and not finished (D9)",
+                got=f"unknown requests {missing}",
+            )
+        entries = np.fromiter((live[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        if self._preempted and any_true(self.state[entries] == _PREEMPTED_CODE):
+            preempted = sorted(r for r in unique if self.state[live[r]] == _PREEMPTED_CODE)[:4]
+            raise BadInputError(
+                what="write layout requests",
+                expected="running requests: a preempted request has no blocks (LIFE-3, D9)",
+                got=f"preempted requests {preempted}",
+            )
+        self._known_layout = (req_ids, unique, entries)
+        return unique, entries
 
     # ---------------------------------------------------------------------------------------
     # Steps.
@@ -135,12 +351,13 @@ class Admissions:
     # ---------------------------------------------------------------------------------------
     # State.
 
-    def canonical(self, live: dict[Any, int], steps: list[Int64Array]) -> tuple[Any, ...]:
+    def snapshot(self, steps: list[Int64Array]) -> tuple[Any, ...]:
         """A value of this state independent of how entries happen to be numbered.
 
-        Entries are renamed in order of first appearance: live requests sorted by id, then the
-        steps' entries in step order.
+        `steps`: the entries of every unended step, in step order. Entries are renamed in
+        order of first appearance: live requests sorted by id, then the steps' entries.
         """
+        live = self._live
         names: dict[int, int] = {}
         for entry in [*(live[r] for r in sorted(live)), *(e for s in steps for e in s.tolist())]:
             names.setdefault(int(entry), len(names))
@@ -158,8 +375,8 @@ class Admissions:
             ),
         )
 
-    def check(self, live: dict[Any, int], preempted: set[Any], steps: list[Int64Array]) -> None:
-        """Check this unit's invariants against the live requests and the unended steps.
+    def check_invariants(self, steps: list[Int64Array]) -> None:
+        """Check this unit's invariants against the entries of the unended steps.
 
         Raises:
             InvariantError: One does not hold (a bug in this library).
@@ -169,21 +386,22 @@ class Admissions:
             if len(np.unique(entries)) != len(entries):
                 raise InvariantError("a step carries one admission twice")
             carried.update(entries.tolist())
-        used = set(np.flatnonzero(self.state != FREE).tolist())
+        used = set(np.flatnonzero(self.state != _FREE).tolist())
         if used & set(self._free) or len(used) + len(self._free) != len(self.state):
             raise InvariantError("the free list and the entry states disagree")
         if not carried <= used:
             raise InvariantError("a step carries a freed admission entry")
-        live_entries = set(live.values())
-        if len(live_entries) != len(live):
+        live_entries = set(self._live.values())
+        if len(live_entries) != len(self._live):
             raise InvariantError("two live requests share an admission entry")
-        for req_id, entry in live.items():
-            want = PREEMPTED if req_id in preempted else RUNNING
-            if self.state[entry] != want:
-                raise InvariantError(
-                    f"request {req_id!r}: entry {entry} is {STATE_NAMES[int(self.state[entry])]}"
-                    f", expected {STATE_NAMES[want]}"
-                )
+        preempted = 0
+        for req_id, entry in self._live.items():
+            code = AdmissionState(int(self.state[entry]))
+            if code not in (AdmissionState.RUNNING, AdmissionState.PREEMPTED):
+                raise InvariantError(f"request {req_id!r}: entry {entry} is {code.name}")
+            preempted += code is AdmissionState.PREEMPTED
+        if preempted != self._preempted:
+            raise InvariantError("the preempted count does not match the entry states")
         if used - live_entries != self.ended:
             raise InvariantError("ended entries do not match those of no live request")
         if not self.ended <= carried:
@@ -195,7 +413,7 @@ class Admissions:
     # Internals.
 
     def _release_entry(self, entry: int) -> None:
-        self.state[entry] = FREE
+        self.state[entry] = _FREE
         self._free.append(entry)
 
     def _grow(self) -> None:

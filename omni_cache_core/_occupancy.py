@@ -1,13 +1,25 @@
-"""Per-key slot occupancy: owner and version, 8 bytes per (slot, key) (SLOT-1, SLOT-6, D3)."""
+"""Per-key slot occupancy: owner and version, 8 bytes per (slot, key) (SLOT-1, SLOT-6, D3).
+
+`OccupancyTable` is one key's table; `SlotTables` holds the table of every cached key seen so
+far, plus the spare tables allocated ahead of a key's first save (`reserve_tables`). This unit
+decides who owns each (slot, key) and at which version; it does not know what a write task or a
+read is: a claim reports the owners it displaced, and the caller tombstones them.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, KeysView, Mapping
+from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from omni_cache_core._contract import TensorName
+from omni_cache_core._errors import InvariantError
 from omni_cache_core._values import SlotArray
 
-__all__ = ["ABSENT", "COMMITTED", "UNKNOWN", "OccupancyTable", "any_true"]
+__all__ = ["ABSENT", "COMMITTED", "UNKNOWN", "OccupancyTable", "SlotTables", "any_true"]
 
 #: Owner codes. A positive owner is the tid of the write that holds the slot (IN_TRANSIT).
 COMMITTED = 0
@@ -150,3 +162,97 @@ def _by_loser(losers: npt.NDArray[np.int32], lost_slots: SlotArray) -> list[tupl
     if not len(losers):
         return []
     return [(int(tid), np.unique(lost_slots[losers == tid])) for tid in np.unique(losers).tolist()]
+
+
+class SlotTables:
+    """The occupancy table of every cached key, in first-seen order, and the spare ones.
+
+    Args:
+        num_slots: Slots per table.
+    """
+
+    __slots__ = ("_spare", "_tables", "num_slots")
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._tables: dict[TensorName, OccupancyTable] = {}
+        #: Tables allocated ahead of a key's first save: an allocation cache, not state.
+        self._spare: dict[TensorName, OccupancyTable] = {}
+
+    @property
+    def tables(self) -> Mapping[TensorName, OccupancyTable]:
+        """The tables in use by key, first seen first (a read-only view)."""
+        return MappingProxyType(self._tables)
+
+    @property
+    def spare(self) -> Mapping[TensorName, OccupancyTable]:
+        """The spare tables by key (a read-only view)."""
+        return MappingProxyType(self._spare)
+
+    def __getitem__(self, key: TensorName) -> OccupancyTable:
+        return self._tables[key]
+
+    def seen_keys(self) -> KeysView[TensorName]:
+        """The cached keys seen so far, first seen first."""
+        return self._tables.keys()
+
+    def get(self, key: TensorName) -> OccupancyTable | None:
+        """The key's table, or None for a key never saved."""
+        return self._tables.get(key)
+
+    def metadata_bytes(self) -> int:
+        """Bytes of every table, spare tables included (SLOT-6)."""
+        return sum(t.metadata_bytes for t in (*self._tables.values(), *self._spare.values()))
+
+    def reserve(self, keys: Iterable[TensorName]) -> None:
+        """Allocate the tables of keys not seen yet; all or none (a MemoryError keeps none)."""
+        new = {
+            key: OccupancyTable(self.num_slots)
+            for key in dict.fromkeys(keys)
+            if key not in self._tables and key not in self._spare
+        }
+        self._spare.update(new)
+
+    def install(self, keys: Iterable[TensorName]) -> None:
+        """Give each key not seen yet its table: its spare one, or a new one."""
+        for key in keys:
+            if key not in self._tables:
+                spare = self._spare.pop(key, None)
+                self._tables[key] = spare if spare is not None else OccupancyTable(self.num_slots)
+
+    def owners_at(
+        self, key: TensorName, slots: SlotArray
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint32]]:
+        """Owner and version of `slots` for `key` (UNKNOWN, version 0 for a key never seen)."""
+        table = self._tables.get(key)
+        if table is None:
+            return (
+                np.full(len(slots), UNKNOWN, dtype=np.int32),
+                np.zeros(len(slots), dtype=np.uint32),
+            )
+        return table.owner[slots], table.version[slots]
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """A canonical, hashable value of the tables in use (spare tables are not state)."""
+        return tuple(
+            (k, t.claims, t.owner.tobytes(), t.version.tobytes()) for k, t in self._tables.items()
+        )
+
+    def check_invariants(self) -> None:
+        """Check owner codes, versions and that spare tables are fresh.
+
+        Raises:
+            InvariantError: One does not hold (a bug in this library).
+        """
+        for key, table in self._tables.items():
+            if not bool((table.owner >= UNKNOWN).all()):
+                raise InvariantError(f"key {key}: bad owner code")
+            if table.claims < 2**32 and int(table.version.max()) > table.claims:
+                raise InvariantError(
+                    f"key {key}: a version above the table's {table.claims} claims"
+                )
+        for key, table in self._spare.items():
+            if key in self._tables:
+                raise InvariantError(f"key {key}: a spare table beside the one in use")
+            if table.claims != 0 or not bool((table.owner == UNKNOWN).all()):
+                raise InvariantError(f"key {key}: a spare table that is not fresh")

@@ -456,9 +456,12 @@ class TensorDriver:
         """
         out: dict[TensorName, dict[int, int]] = {}
         with self.manager._lock:
-            for key, table in self.manager._core._tables.items():
+            core = self.manager._core
+            for key in core.installed_keys:
                 pool = self.manager._pool.tensors.get(key)
-                committed = np.flatnonzero(table.owner == 0)
+                owners = core.slot_owners(key)
+                assert owners is not None  # an installed key has its table
+                committed = np.flatnonzero(owners == 0)
                 if pool is None or not len(committed):
                     continue
                 rows = pool[torch.from_numpy(committed)]

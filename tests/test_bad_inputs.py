@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import omni_cache_cuda
+from omni_cache_core._delivery import RequestState
 from omni_cache_cuda import (
     HIDDEN_KEY,
     BadInputError,
@@ -246,7 +247,9 @@ def _preempt_a(ctx: Ctx) -> None:
 @case("start-preempted", LifecycleError)
 def _(ctx: Ctx) -> Callable[[], Any]:
     _preempt_a(ctx)
-    ctx.after.append(lambda: _same("a" in ctx.manager._core._preempted, True))
+    ctx.after.append(
+        lambda: _same(ctx.manager._core.request_states().get("a") is RequestState.PREEMPTED, True)
+    )
     return lambda: ctx.begin({"a": 1}, event("a", STARTED, block_ids=(0, 1, 2)))
 
 

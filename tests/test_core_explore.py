@@ -56,6 +56,7 @@ from omni_cache_core import (
     WaitTimeoutError,
 )
 from omni_cache_core._core import CacheCore
+from omni_cache_core._delivery import RequestState
 from omni_cache_core._values import (
     AwaitPage,
     AwaitTasks,
@@ -171,11 +172,15 @@ class Node:
 
 
 def _live(core: CacheCore) -> list[ReqId]:
-    return sorted(core._live)
+    return sorted(core.request_states())
 
 
 def _running(core: CacheCore) -> list[ReqId]:
-    return sorted(core._live.keys() - core._preempted)
+    return sorted(r for r, s in core.request_states().items() if s is RequestState.RUNNING)
+
+
+def _preempted(core: CacheCore) -> list[ReqId]:
+    return sorted(r for r, s in core.request_states().items() if s is RequestState.PREEMPTED)
 
 
 def _records(
@@ -201,8 +206,8 @@ def enabled(node: Node) -> Iterator[Input]:
         return  # FAIL-1: a poisoned cache refuses every engine input; nothing left to explore
     live = _live(core)
     running = _running(core)
-    save = core._save
-    if save is None:
+    save = core.save_in_progress
+    if not save:
         if len(node.started) < MAX_STARTS:
             for req_id, block in STARTS:
                 if req_id not in live and req_id not in node.started:
@@ -213,17 +218,17 @@ def enabled(node: Node) -> Iterator[Input]:
             yield ("preempt", PREEMPTABLE)
         if node.resumes < MAX_RESUMES:
             for req_id, block in RESUMES:
-                if req_id in core._preempted:
+                if core.request_states().get(req_id) is RequestState.PREEMPTED:
                     yield ("resume", req_id, block)
         if node.saves < MAX_SAVES:
-            hits = set(core._start_hits)
+            hits = set(core._hits.start_hit_requests())
             for layout, with_deferred in LAYOUTS:
                 # D9, D10, LIFE-3: a save names running requests only, every pending hit, no
                 # lost hit.
                 if (
                     set(layout) <= set(running)
                     and hits <= set(layout)
-                    and not core._lost_hits & set(layout)
+                    and not core._hits.lost_hit_requests() & set(layout)
                 ):
                     yield ("save", layout, with_deferred)
     else:
@@ -234,7 +239,7 @@ def enabled(node: Node) -> Iterator[Input]:
         state = core.task_state(tid)
         if state in (TaskState.QUEUED, TaskState.HOST_READY):
             yield ("report", tid)
-        if state is TaskState.QUEUED and save is not None and tid in node.step_writes:
+        if state is TaskState.QUEUED and save and tid in node.step_writes:
             # One failure point per write, while a save waits on the committer: FAILED is
             # terminal and sticky (FAIL-1), so a poisoned state has nothing left to explore.
             yield ("fail", tid)
@@ -280,7 +285,11 @@ def apply(node: Node, inp: Input, seen: Counter[str]) -> None:
             core.start_step(
                 _records((req_id, PrefixCacheEventKind.RESUMED, hit_end, blocks), now_ns=node.clock)
             )
-            seen["resume with a hit" if req_id in core._start_hits else "resume without a hit"] += 1
+            seen[
+                "resume with a hit"
+                if req_id in core._hits.start_hit_requests()
+                else "resume without a hit"
+            ] += 1
         elif kind == "save":
             _, layout, with_deferred = inp
             node.saves += 1
@@ -341,7 +350,7 @@ def _owed(core: CacheCore, step_id: StepId) -> bool:
     rows when it carries positions of the same admission at or above the cursor.
     """
     step = core._steps[step_id]
-    cursor = core._admissions.cursor
+    cursor = core._requests.cursor
     for i, entry in enumerate(step.entries.tolist()):
         if step.hi[i] <= cursor[entry]:
             continue
@@ -446,7 +455,7 @@ def _illegal_inputs_change_nothing(core: CacheCore) -> None:
     usable = core.fatal is None and not core.closed
     if usable:
         assert type(info.value) is UnknownStepError
-    if core._save is None:
+    if not core.save_in_progress:
         bad = PrefixCacheRequestEvent(
             req_id="z", kind=PrefixCacheEventKind.STARTED, hit_end=1, block_ids=(0,)
         )
@@ -454,10 +463,10 @@ def _illegal_inputs_change_nothing(core: CacheCore) -> None:
             core.start_step(StartStep(step=PrefixCacheStep(events=[bad]), now_ns=0))
         if core.fatal is None:
             assert type(info.value) is BadInputError
-    if usable and core._save is None:
+    if usable and not core.save_in_progress:
         kinds = PrefixCacheEventKind
         illegal = [_records((r, kinds.RESUMED, 0, ())) for r in _running(core)[:1]]
-        for req_id in sorted(core._preempted)[:1]:
+        for req_id in sorted(_preempted(core))[:1]:
             illegal.append(_records((req_id, kinds.PREEMPTED, 0, ())))
             illegal.append(_records((req_id, kinds.STARTED, 0, ())))
             with pytest.raises(BadInputError):

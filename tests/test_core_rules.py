@@ -42,8 +42,11 @@ from omni_cache_core import (
     WaitTimeoutError,
     WriteFailedError,
 )
-from omni_cache_core._core import _MAX_TID, _TASK_MOVES, CacheCore
+from omni_cache_core._core import CacheCore
 from omni_cache_core._occupancy import ABSENT, OccupancyTable
+from omni_cache_core._pages import Holder, HolderKind
+from omni_cache_core._tasks import _TASK_MOVES, TaskMove
+from omni_cache_core._tasks import MAX_TID as _MAX_TID
 from omni_cache_core._values import (
     AwaitPage,
     AwaitTasks,
@@ -575,7 +578,7 @@ def test_slot_5_a_write_that_lost_a_slot_gets_no_new_rows_for_it(make_core: Make
     assert chunk.new_task and chunk.tid != first
     assert core.presence(DEF, 0) == (chunk.tid, 3)
     assert core._tasks[first].slots[DEF][0].tolist() == blocks(0), "no rows appended to the loser"
-    assert core._live[ReqId("a")].open_tid == chunk.tid
+    assert core._writes.open_write(ReqId("a")) == chunk.tid
     # The new write takes later chunks that it did not lose.
     (more,) = effects_of(save(core, [("a", [1])], deferred=(DEF,)).effects, DeferredChunk)
     assert (more.tid, more.new_task) == (chunk.tid, False)
@@ -705,7 +708,9 @@ def _deferred_task_in(make_core: MakeCore, state: TaskState) -> tuple[CacheCore,
 
 def _apply_move(core: CacheCore, tid: Tid, how: str) -> None:
     if how == "queue":
-        core._move(tid, how)  # no report queues a task; the table is still the only gate
+        core._writes.move(
+            tid, TaskMove(how)
+        )  # no report queues a task; the table is still the only gate
     elif how == "copy_started":
         core.report(CopyStarted(tid=tid))
     elif how == "copy_landed":
@@ -1091,7 +1096,9 @@ def test_hit_1_a_bad_hit_raises_naming_the_request_and_changes_nothing(
     )
     for name in ("'b'", *names):
         assert name in str(error)
-    assert ReqId("a") in core._live, "the finish before the bad start is not applied either"
+    assert ReqId("a") in core.request_states(), (
+        "the finish before the bad start is not applied either"
+    )
 
 
 def test_hit_1_a_continuation_opens_no_new_hit(make_core: MakeCore) -> None:
@@ -1604,7 +1611,7 @@ def test_d3_task_ids_stop_before_the_owner_table_wraps(make_core: MakeCore) -> N
     """The last int32 tid is used as is; a save needing one more raises before changing (D3)."""
     core = make_core(deferred_policy(hidden=False))
     start(core, started("a"))
-    core._next_tid = _MAX_TID
+    core._writes._next_tid = _MAX_TID
     (write,) = step_writes(save(core, [("a", [0])], immediate=(MM,), land_writes=False))
     assert write.tid == _MAX_TID
     assert core.presence(MM, 0) == (_MAX_TID, 1)
@@ -1684,11 +1691,11 @@ def _healthy_core() -> CacheCore:
 
 
 def _corrupt_budget(core: CacheCore) -> None:
-    core._budget_used += 1
+    core._writes._budget_used += 1
 
 
 def _corrupt_page_holder(core: CacheCore) -> None:
-    core._pages[1].add(("step", 99))
+    core._pages.hold(1, Holder(HolderKind.STEP, 99))
 
 
 def _corrupt_owner(core: CacheCore) -> None:
@@ -1696,13 +1703,13 @@ def _corrupt_owner(core: CacheCore) -> None:
 
 
 def _corrupt_open_write(core: CacheCore) -> None:
-    open_tid = core._live[ReqId("a")].open_tid
+    open_tid = core._writes.open_write(ReqId("a"))
     assert open_tid is not None
     core._tasks[open_tid].state = TaskState.COPYING
 
 
 def _corrupt_retired_waiter(core: CacheCore) -> None:
-    core._unwritten_step_writes.add(Tid(55))
+    core._writes._unwritten_step_writes.add(Tid(55))
 
 
 def _corrupt_terminal_task(core: CacheCore) -> None:
@@ -1710,7 +1717,7 @@ def _corrupt_terminal_task(core: CacheCore) -> None:
 
 
 def _corrupt_writer_count(core: CacheCore) -> None:
-    core._writers[HIDDEN_KEY] = 0  # a claim would then skip looking for in-flight owners
+    core._writes._writers[HIDDEN_KEY] = 0  # a claim would then skip looking for in-flight owners
 
 
 def _corrupt_version(core: CacheCore) -> None:

@@ -21,7 +21,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from omni_cache_core import InvariantError, TensorName
 from omni_cache_core._core import CacheCore
 from omni_cache_core._delivery import Admissions
-from omni_cache_core._occupancy import ABSENT, COMMITTED, OccupancyTable
+from omni_cache_core._occupancy import ABSENT, COMMITTED, OccupancyTable, SlotTables
+from omni_cache_core._reads import HitReads
+from omni_cache_core._steps import Steps
 from omni_cache_core._values import Preserve, SlotArray, Tombstone
 from omni_cache_core.testing import CacheMachine, DriverError, ModelMismatch, reach_every_case
 
@@ -72,7 +74,7 @@ def test_life_dlv_the_machine_agrees_with_the_model() -> None:
     print(f"\nreached: {dict(sorted(seen.items()))}")
 
 
-def _skip_copy_on_write(self: CacheCore, slots: SlotArray) -> list[Preserve]:
+def _skip_copy_on_write(self: HitReads, slots: SlotArray, tables: SlotTables) -> list[Preserve]:
     """A core that forgets HIT-6: no older read is protected before its slots change."""
     return []
 
@@ -111,7 +113,7 @@ def _deliver_again(
     return lo, hi, None
 
 
-def _no_delivery_order(self: CacheCore, *args: object) -> None:
+def _no_delivery_order(self: Steps, *args: object) -> None:
     """A core that forgets DLV-5: a later step of a request may be read before an earlier one."""
 
 
@@ -124,8 +126,8 @@ class _SlotMachine(CacheMachine):
 #: Per control: what it breaks, and the machine that must notice.
 _BROKEN: dict[str, tuple[type, str, Callable[..., object], type[CacheMachine]]] = {
     "copy-on-write skipped (HIT-6)": (
-        CacheCore,
-        "_copy_on_write",
+        HitReads,
+        "copy_on_write",
         _skip_copy_on_write,
         _SlotMachine,
     ),
@@ -138,8 +140,8 @@ _BROKEN: dict[str, tuple[type, str, Callable[..., object], type[CacheMachine]]] 
     "no explicit absence (SLOT-4)": (CacheCore, "_take", _no_explicit_absence, _SlotMachine),
     "positions handed out again (DLV-2)": (Admissions, "deliver", _deliver_again, CacheMachine),
     "no delivery order (DLV-5)": (
-        CacheCore,
-        "_check_delivery_order",
+        Steps,
+        "check_delivery_order",
         _no_delivery_order,
         CacheMachine,
     ),
@@ -174,10 +176,10 @@ def test_machine_finds_a_broken_rule(broken: str, monkeypatch: pytest.MonkeyPatc
 
 def test_controls_leave_the_core_intact() -> None:
     """The controls patch the core only inside their own test."""
-    assert CacheCore._copy_on_write is not _skip_copy_on_write
+    assert HitReads.copy_on_write is not _skip_copy_on_write
     assert CacheCore._take is _REAL_TAKE
     assert Admissions.deliver is not _deliver_again
-    assert CacheCore._check_delivery_order is not _no_delivery_order
+    assert Steps.check_delivery_order is not _no_delivery_order
     table = OccupancyTable(4)
     table.owner[:] = 7
     table.commit(3, np.arange(4, dtype=np.int64))

@@ -1,0 +1,106 @@
+"""Staging pages: who holds each of the `staging_depth` pages (PAGE-1..3, D5).
+
+A page is a set of holders, each a `Holder` of one kind:
+
+========  =====================================================  ==============================
+kind      held from                                              let go at
+========  =====================================================  ==============================
+SAVE      the save's page claim (`save_proceed`)                 its commit or abort
+STEP      the step's commit                                      its consume end or discard
+TASK      the step write's registration, before it is visible    the write's WRITTEN or FAILED
+========  =====================================================  ==============================
+
+A page is free iff it has no holder. This unit decides which page is free and keeps the holder
+sets; it does not decide when a holder comes or goes: the save, the steps and the write tasks
+do, and the core routes their moves here.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+from omni_cache_core._errors import InvariantError
+
+__all__ = ["SAVE_HOLDER", "Holder", "HolderKind", "PageHolders"]
+
+
+class HolderKind(enum.IntEnum):
+    """What holds a staging page (ordered, so holder sets sort in snapshots)."""
+
+    #: The save in progress, from its page claim to its commit or abort.
+    SAVE = 0
+    #: A saved step, until its consume ends (D5).
+    STEP = 1
+    #: A step write, until WRITTEN or FAILED (PAGE-3).
+    TASK = 2
+
+    def __repr__(self) -> str:
+        return f"HolderKind.{self.name}"
+
+
+class Holder(NamedTuple):
+    """One holder of a page: its kind and the id of the thing (a step id, a tid; 0 for SAVE)."""
+
+    kind: HolderKind
+    ident: int
+
+
+#: The holder of the save in progress (one save at a time).
+SAVE_HOLDER = Holder(HolderKind.SAVE, 0)
+
+
+class PageHolders:
+    """The holders of every staging page."""
+
+    __slots__ = ("_pages",)
+
+    def __init__(self, depth: int) -> None:
+        self._pages: list[set[Holder]] = [set() for _ in range(depth)]
+
+    def hold(self, page: int, holder: Holder) -> None:
+        """Add `holder` to `page`."""
+        self._pages[page].add(holder)
+
+    def let_go(self, page: int, holder: Holder) -> None:
+        """Remove `holder` from `page` (nothing if it does not hold it)."""
+        self._pages[page].discard(holder)
+
+    def holds(self, page: int, holder: Holder) -> bool:
+        """Whether `holder` holds `page`."""
+        return holder in self._pages[page]
+
+    def free_page(self) -> int | None:
+        """The lowest page with no holder, or None (PAGE-2)."""
+        for page, holders in enumerate(self._pages):
+            if not holders:
+                return page
+        return None
+
+    @property
+    def in_use(self) -> int:
+        """Pages with at least one holder."""
+        return sum(1 for holders in self._pages if holders)
+
+    def holders(self) -> list[tuple[int, Holder]]:
+        """Every (page, holder) pair, page by page."""
+        return [(page, h) for page, holders in enumerate(self._pages) for h in holders]
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """A canonical, hashable value of the holders."""
+        return tuple(tuple(sorted(holders)) for holders in self._pages)
+
+    def check_invariants(self) -> None:
+        """Check that holders are well formed and the save holds at most one page.
+
+        Raises:
+            InvariantError: One does not hold (a bug in this library).
+        """
+        seen: set[Holder] = set()
+        for page, holders in enumerate(self._pages):
+            for holder in holders:
+                if not isinstance(holder.kind, HolderKind):
+                    raise InvariantError(f"page {page} has a stray holder {holder!r}")
+                if holder in seen:
+                    raise InvariantError(f"{holder!r} holds two pages")
+                seen.add(holder)

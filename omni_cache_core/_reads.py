@@ -1,0 +1,578 @@
+"""Hit reads: the hits a start registers, their plans at commit, and their protection (HIT, D4).
+
+A hit is registered at `StartStep` (HIT-1): one read per cached key, and a `PrefetchRead` for
+its committed rows (HIT-7). It waits there for the next save, which plans it finally against
+the state after the step's own claims (D4): each row's `SlotSource`, the writer it waits for and
+the slot version it saw. The plan is final then, except the rows copy-on-write preserves before
+a newer tenant changes them (HIT-6); a row it cannot preserve marks the read violated.
+
+This unit decides:
+
+- which requests carry a hit into the next save (D10: a hit no save followed is lost, and its
+  request must end or be preempted and resumed before it is saved again);
+- each read's plan, its error (HIT-4) and its protection (HIT-6);
+- the reads each unended step carries, and their rows per `SlotSource` (for `stats()`).
+
+It reads slot owners through `SlotTables` and a write's chunk count through a query; it does not
+decide slot ownership, task states, positions (DLV) or when a step ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from omni_cache_core._contract import HIDDEN_KEY, ReqId, StepId, TensorName, Tid
+from omni_cache_core._errors import BadInputError, HitUnreadableError, InvariantError
+from omni_cache_core._occupancy import COMMITTED, SlotTables, any_true
+from omni_cache_core._values import (
+    PrefetchRead,
+    Preserve,
+    ReadPlan,
+    SaveBegin,
+    SlotArray,
+    SlotSource,
+    TaskState,
+)
+
+__all__ = ["HitReads", "Read"]
+
+_POOL: Final = np.int8(SlotSource.POOL.value)
+_AFTER_WRITE: Final = np.int8(SlotSource.AFTER_WRITE.value)
+_TASK: Final = np.int8(SlotSource.TASK.value)
+_ZEROS: Final = np.int8(SlotSource.ZEROS.value)
+_THIS_STEP: Final = np.int8(SlotSource.THIS_STEP.value)
+
+_EMPTY_SLOTS: Final = np.zeros(0, dtype=np.int64)
+
+
+class Read:
+    """A planned hit read: its plan, final at planning (D4), and what may still change.
+
+    The plan is built once, when the read is planned, and handed out as is at consume: its
+    arrays are final then except `preserved`, which copy-on-write marks in place (HIT-6).
+    """
+
+    __slots__ = ("error", "has_writers", "plan", "step_id", "version", "violated")
+
+    def __init__(
+        self, plan: ReadPlan, step_id: StepId, version: npt.NDArray[np.uint32], has_writers: bool
+    ) -> None:
+        self.plan = plan
+        self.step_id = step_id
+        #: Per hit row, the slot version it was planned at.
+        self.version = version
+        #: Whether any row is owned by an in-flight write (AFTER_WRITE or TASK).
+        self.has_writers = has_writers
+        self.error: str | None = None
+        self.violated = 0
+
+    def canonical(self) -> tuple[Any, ...]:
+        plan = self.plan
+        return (
+            plan.read_id,
+            plan.req_id,
+            plan.key,
+            self.step_id,
+            tuple(plan.slots.tolist()),
+            tuple(plan.source.tolist()),
+            tuple(plan.writer.tolist()),
+            tuple(self.version.tolist()),
+            tuple(plan.step_row.tolist()),
+            tuple(plan.preserved.tolist()),
+            plan.chunk_limit,
+            self.error,
+            self.violated,
+        )
+
+
+class HitReads:
+    """Registered hits, planned reads per unended step, and read ids.
+
+    Args:
+        num_slots: Slots per key (for the scratch membership marks).
+        block_size: Slots per block.
+        num_blocks: Blocks in the KV cache.
+    """
+
+    __slots__ = (
+        "_block_size",
+        "_by_step",
+        "_hit_rows",
+        "_lost_hits",
+        "_next_read_id",
+        "_num_blocks",
+        "_reads",
+        "_slot_mark",
+        "_start_hit_lo",
+        "_start_hit_slots",
+        "_start_hits",
+    )
+
+    def __init__(self, num_slots: int, block_size: int, num_blocks: int) -> None:
+        self._block_size = block_size
+        self._num_blocks = num_blocks
+        #: Scratch membership marks, all False between calls (`plan_step`).
+        self._slot_mark = np.zeros(num_slots, dtype=np.bool_)
+        self._next_read_id = 1
+        # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
+        self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
+        #: All of those hits' slots in one array, with each hit's bounds in it (derived).
+        self._start_hit_slots: tuple[SlotArray, list[int]] = (_EMPTY_SLOTS, [0])
+        #: First hit position of those hits that do not start at 0 (a resume reads from the
+        #: block of its delivery cursor on: DLV-3).
+        self._start_hit_lo: dict[ReqId, int] = {}
+        # Live requests whose hit was registered by a start that no save followed (D10).
+        self._lost_hits: set[ReqId] = set()
+        self._reads: dict[int, Read] = {}  # planned reads of saved, not yet ended steps
+        #: Per unended step that planned reads: its reads per request.
+        self._by_step: dict[StepId, dict[ReqId, list[Read]]] = {}
+        #: Per unended step: rows of all its reads per `SlotSource`, counted when a consume
+        #: takes them all.
+        self._hit_rows: dict[StepId, npt.NDArray[np.int64]] = {}
+
+    # -----------------------------------------------------------------------------------------
+    # Queries.
+
+    def start_hit_requests(self) -> frozenset[ReqId]:
+        """Requests whose hit waits for the next save."""
+        return frozenset(self._start_hits)
+
+    def lost_hit_requests(self) -> frozenset[ReqId]:
+        """Requests that lost their hit (D10)."""
+        return frozenset(self._lost_hits)
+
+    def step_ids(self) -> set[StepId]:
+        """Steps that carry planned reads."""
+        return {read.step_id for read in self._reads.values()}
+
+    def reads_of(self, step_id: StepId) -> tuple[tuple[int, frozenset[Tid]], ...]:
+        """The reads a step planned, each with the deferred writes whose own rows it reads."""
+        reads = self._by_step.get(step_id)
+        if reads is None:
+            return ()
+        return tuple(
+            (read.plan.read_id, frozenset(tid for tid, _ in read.plan.chunk_limit))
+            for rs in reads.values()
+            for read in rs
+        )
+
+    def read_ids_by_request(self, step_id: StepId) -> tuple[tuple[ReqId, tuple[int, ...]], ...]:
+        """The read ids of a step per request (for snapshots)."""
+        reads = self._by_step.get(step_id, {})
+        return tuple((r, tuple(x.plan.read_id for x in rs)) for r, rs in sorted(reads.items()))
+
+    # -----------------------------------------------------------------------------------------
+    # Starts.
+
+    def check_hit(self, req_id: ReqId, hit_end: int, block_ids: tuple[int, ...]) -> None:
+        """HIT-1: a hit is block aligned and names enough blocks in range.
+
+        Raises:
+            BadInputError: It is not; nothing changes.
+        """
+        block_size = self._block_size
+
+        def what() -> str:  # HIT-1: every refusal names the request, hit_end and the block size
+            return f"hit of request {req_id!r} (hit_end={hit_end}, block_size={block_size})"
+
+        if not block_ids:
+            raise BadInputError(
+                what=what(),
+                expected="the request's block ids",
+                got="no block ids",
+            )
+        if hit_end % block_size:
+            raise BadInputError(
+                what=what(),
+                expected=f"hit_end a multiple of block_size={block_size}",
+                got=f"hit_end={hit_end}",
+            )
+        if hit_end > len(block_ids) * block_size:
+            raise BadInputError(
+                what=what(),
+                expected=f"at least {hit_end // block_size} blocks for hit_end={hit_end}",
+                got=f"{len(block_ids)} blocks",
+            )
+        hit_blocks = block_ids[: hit_end // block_size]
+        if min(hit_blocks) < 0 or max(hit_blocks) >= self._num_blocks:
+            raise BadInputError(
+                what=f"block ids of request {req_id!r}",
+                expected=f"ids in [0, {self._num_blocks})",
+                got=f"{list(hit_blocks)[:8]}",
+            )
+
+    def on_start(self) -> None:
+        """D10: a new step starts, so the last start's hits that no save followed are lost."""
+        self._lost_hits |= self._start_hits.keys()
+        self.clear_start_hits()
+
+    def forget_request(self, req_id: ReqId) -> None:
+        """The request ended or was preempted: it may be saved again after its next start."""
+        self._lost_hits.discard(req_id)
+
+    def clear_start_hits(self) -> None:
+        """Forget the registered hits (the save planned them, or the next start lost them)."""
+        self._start_hits = {}
+        self._start_hit_slots = (_EMPTY_SLOTS, [0])
+        if self._start_hit_lo:
+            self._start_hit_lo = {}
+
+    def register(
+        self,
+        hits: list[tuple[ReqId, tuple[int, ...], int]],
+        tables: SlotTables,
+        hit_keys: list[TensorName],
+    ) -> list[PrefetchRead]:
+        """Open one read per hit and cached key; ask to prefetch its committed rows (HIT-7).
+
+        `hits`: per request, its hit's block ids and first position (above 0 for a resume:
+        DLV-3). Every hit's slots come from one array and one gather per key, so a step with
+        many hits costs a few numpy calls per key, not per hit.
+        """
+        block_size = self._block_size
+        every = _block_slots(list(itertools.chain.from_iterable(b for _, b, _ in hits)), block_size)
+        bounds = [0, *itertools.accumulate(len(b) * block_size for _, b, _ in hits)]
+        first_id = self._next_read_id
+        self._next_read_id += len(hits) * len(hit_keys)
+        # The usual hit: every row is in the pool (owner COMMITTED, code 0).
+        pending = {key: tables[key].owner[every] != COMMITTED for key in hit_keys}
+        all_committed = {key: not any_true(mask) for key, mask in pending.items()}
+        effects: list[PrefetchRead] = []
+        ranges: dict[int, npt.NDArray[np.int64]] = {}  # hits are mostly of one length
+        for i, (req_id, _, first) in enumerate(hits):
+            if first:
+                self._start_hit_lo[req_id] = first
+            lo, hi = bounds[i], bounds[i + 1]
+            hit_slots = every[lo:hi]
+            read_ids = {key: first_id + i * len(hit_keys) + k for k, key in enumerate(hit_keys)}
+            self._start_hits[req_id] = (hit_slots, read_ids)
+            for key in hit_keys:
+                if all_committed[key]:
+                    positions = ranges.get(hi - lo)
+                    if positions is None:
+                        positions = ranges[hi - lo] = np.arange(hi - lo)
+                    slots = hit_slots
+                else:
+                    positions = np.flatnonzero(~pending[key][lo:hi])
+                    if not len(positions):
+                        continue
+                    slots = hit_slots[positions]
+                effects.append(
+                    PrefetchRead(
+                        read_id=read_ids[key],
+                        req_id=req_id,
+                        key=key,
+                        positions=positions,
+                        slots=slots,
+                    )
+                )
+        self._start_hit_slots = (every, bounds)
+        return effects
+
+    # -----------------------------------------------------------------------------------------
+    # Saves.
+
+    def check_layout(self, unique: frozenset[ReqId]) -> None:
+        """D10, SPEC section 13: a save carries every pending hit and no lost one.
+
+        Raises:
+            BadInputError: It does not; nothing changes.
+        """
+        if self._lost_hits and not self._lost_hits.isdisjoint(unique):
+            lost = sorted(self._lost_hits & unique)[:4]
+            raise BadInputError(
+                what="write layout requests",
+                expected="requests whose hit can be served (abort a request whose start was "
+                "not followed by a save)",
+                got=f"requests that lost their hit: {lost}",
+            )
+        if self._start_hits and not self._start_hits.keys() <= unique:
+            # SPEC section 13: a hit that cannot be served must raise, never vanish. A request
+            # that starts with a hit is scheduled in that very step by every engine we know.
+            dropped = sorted(self._start_hits.keys() - unique)[:4]
+            raise BadInputError(
+                what="write layout requests",
+                expected="every request that started with a hit this step",
+                got=f"hit requests missing from the layout: {dropped}",
+            )
+
+    def copy_on_write(self, slots: SlotArray, tables: SlotTables) -> list[Preserve]:
+        """HIT-6: preserve committed rows older reads planned on, before `slots` change."""
+        if not self._reads:
+            return []
+        ordered = np.sort(slots)
+        effects: list[Preserve] = []
+        for read in self._reads.values():
+            plan = read.plan
+            table = tables.get(plan.key)
+            if table is None:
+                continue
+            hit = _member(ordered, plan.slots)
+            hit &= ~plan.preserved & ((plan.source == _POOL) | (plan.source == _AFTER_WRITE))
+            if not any_true(hit):
+                continue
+            positions = np.flatnonzero(hit)
+            planned = plan.slots[positions]
+            intact = (table.owner[planned] == COMMITTED) & (
+                table.version[planned] == read.version[positions]
+            )
+            if any_true(intact):
+                keep = positions[intact]
+                plan.preserved[keep] = True
+                effects.append(
+                    Preserve(
+                        read_id=plan.read_id, key=plan.key, positions=keep, slots=plan.slots[keep]
+                    )
+                )
+            read.violated += len(intact) - int(np.count_nonzero(intact))
+        return effects
+
+    def plan_step(
+        self,
+        step_id: StepId,
+        sv: SaveBegin,
+        keys: tuple[TensorName, ...],
+        step_tid: Tid | None,
+        tables: SlotTables,
+        deferred_keys: frozenset[TensorName],
+        chunks_of: Callable[[Tid], int | None],
+    ) -> None:
+        """Plan the hits of this save's requests against the post-claim state (D4).
+
+        All hit slots of the step are planned together, one gather per key, and each read gets
+        its slice: a prefill with many hits costs a few numpy calls per key, not per read.
+        """
+        hits = list(self._start_hits.items())  # save_begin checked they are all in the layout
+        if not hits:
+            return
+        every, bounds = self._start_hit_slots
+        owners = {key: tables.owners_at(key, every) for key in keys}
+        # HIT-5: a producer of this very step wins over any older tenant. The step write just
+        # claimed all of the step's slots, so its fresh tid marks them; without one, a
+        # membership mark costs far less than sorting the step.
+        if step_tid is not None:
+            # `keys` holds every key the save passed, so the step key's owners are gathered.
+            any_mine = any_true(owners[sv.immediate_keys[0]][0] == step_tid)
+        else:
+            mark = self._slot_mark
+            mark[sv.slots] = True
+            any_mine = any_true(mark[every])
+            mark[sv.slots] = False
+        if any_mine:
+            order = np.argsort(sv.slots, kind="stable")
+            step_row = _last_row(sv.slots[order], order, every).astype(np.int32)
+            mine = step_row >= 0
+        else:
+            step_row = np.full(len(every), -1, dtype=np.int32)
+            step_row.setflags(write=False)  # shared by every read of the step
+            mine = None
+        reads: dict[ReqId, list[Read]] = {r: [] for r, _ in hits}
+        no_writer = np.zeros(len(every), dtype=np.int32)
+        no_writer.setflags(write=False)  # shared by every read of every key without writers
+        hit_rows = np.zeros(len(SlotSource), dtype=np.int64)
+        for key in keys:
+            owner, version = owners[key]
+            source = np.where(owner == COMMITTED, _POOL, _ZEROS)
+            in_transit = owner > 0
+            if mine is not None:
+                in_transit &= ~mine
+                source[mine] = _THIS_STEP
+            has_writers = any_true(in_transit)
+            writer = np.where(in_transit, owner, 0).astype(np.int32) if has_writers else no_writer
+            if has_writers:
+                source[in_transit] = _TASK if key in deferred_keys else _AFTER_WRITE
+            counts = np.bincount(source, minlength=len(SlotSource))
+            hit_rows += counts
+            missing = None
+            if key == HIDDEN_KEY and counts[_ZEROS]:
+                missing = np.add.reduceat(source == _ZEROS, bounds[:-1])
+            preserved = np.zeros(len(every), dtype=np.bool_)  # sliced per read: one allocation
+            for i, (req_id, (slots, read_ids)) in enumerate(hits):
+                lo, hi = bounds[i], bounds[i + 1]
+                read_writer = writer[lo:hi]
+                reads_writers = has_writers and any_true(in_transit[lo:hi])
+                chunk_limit, error = (
+                    _limit_task_reads(read_writer, source[lo:hi], chunks_of)
+                    if reads_writers
+                    else ((), None)
+                )
+                read = Read(
+                    ReadPlan(
+                        read_id=read_ids.get(key) or self._new_read_id(),
+                        req_id=req_id,
+                        key=key,
+                        slots=slots,
+                        source=source[lo:hi],
+                        writer=read_writer,
+                        chunk_limit=chunk_limit,
+                        step_row=step_row[lo:hi],
+                        preserved=preserved[lo:hi],
+                    ),
+                    step_id,
+                    version[lo:hi],
+                    reads_writers,
+                )
+                read.error = error
+                if missing is not None and missing[i]:
+                    # HIT-4: never a miss: the cache and the engine's KV state diverged.
+                    read.error = (
+                        f"{int(missing[i])} of {hi - lo} hidden-state rows are unknown or absent "
+                        "(never written, or written by another tenant)"
+                    )
+                self._reads[read.plan.read_id] = read
+                reads[req_id].append(read)
+        self._by_step[step_id] = reads
+        self._hit_rows[step_id] = hit_rows
+
+    def step_positions(
+        self, req_ids: tuple[ReqId, ...], own: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """DLV-1, DLV-3: each request's first position; a hit's rows come before its own."""
+        if not self._start_hits:
+            return own
+        lo = own.copy()
+        for req_id in self._start_hits:
+            lo[req_ids.index(req_id)] = self._start_hit_lo.get(req_id, 0)
+        return lo
+
+    # -----------------------------------------------------------------------------------------
+    # Consumes.
+
+    def of_step(self, step_id: StepId, requested: tuple[ReqId, ...] | None) -> list[Read]:
+        """The reads of a step, all of them (`requested` None) or those of some requests."""
+        by_request = self._by_step.get(step_id)
+        if not by_request:
+            return []
+        if requested is None:
+            return [r for rs in by_request.values() for r in rs]
+        wanted = set(requested)
+        return [r for req, rs in by_request.items() if req in wanted for r in rs]
+
+    def hit_rows_of(self, step_id: StepId) -> npt.NDArray[np.int64] | None:
+        """Rows of all of a step's reads per `SlotSource`, or None without reads."""
+        return self._hit_rows.get(step_id)
+
+    @staticmethod
+    def writes_to_await(
+        reads: list[Read], registered: Callable[[Tid], bool]
+    ) -> list[tuple[Tid, TaskState]]:
+        """The immediate writes a consume of `reads` must see WRITTEN first (HIT-3).
+
+        Raises:
+            HitUnreadableError: A read is unreadable (HIT-4) or violated (HIT-6).
+        """
+        waits: list[tuple[Tid, TaskState]] = []
+        for read in reads:
+            plan = read.plan
+            if read.error is not None or read.violated:
+                reason = read.error or (
+                    f"{read.violated} hit slots reassigned before this delayed read (HIT-6)"
+                )
+                raise HitUnreadableError(
+                    req_id=plan.req_id, key=plan.key, reason=reason, slot_count=len(plan.slots)
+                )
+            if read.has_writers:
+                pending = plan.writer[(plan.source == _AFTER_WRITE) & ~plan.preserved]
+                for tid in np.unique(pending).tolist():
+                    if registered(Tid(tid)):
+                        waits.append((Tid(tid), TaskState.WRITTEN))
+        return waits
+
+    def drop_step(self, step_id: StepId) -> None:
+        """The step ended: its reads go."""
+        self._hit_rows.pop(step_id, None)
+        by_request = self._by_step.pop(step_id, None)
+        if by_request:
+            for reads in by_request.values():
+                for read in reads:
+                    self._reads.pop(read.plan.read_id, None)
+
+    # -----------------------------------------------------------------------------------------
+    # State.
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """A canonical, hashable value of this unit's state."""
+        return (
+            self._next_read_id,
+            tuple(sorted(self._start_hit_lo.items())),
+            tuple(
+                (r, tuple(s.tolist()), tuple(sorted(ids.items())))
+                for r, (s, ids) in sorted(self._start_hits.items())
+            ),
+            tuple(sorted(self._lost_hits)),
+            tuple(read.canonical() for _, read in sorted(self._reads.items())),
+        )
+
+    def check_invariants(self) -> None:
+        """Check that the reads by id and by step agree.
+
+        Raises:
+            InvariantError: One does not hold (a bug in this library).
+        """
+        by_step = {
+            read.plan.read_id: step_id
+            for step_id, by_request in self._by_step.items()
+            for reads in by_request.values()
+            for read in reads
+        }
+        if by_step.keys() != self._reads.keys():
+            raise InvariantError("the reads by id and by step disagree")
+        for read_id, read in self._reads.items():
+            if by_step[read_id] != read.step_id:
+                raise InvariantError(f"read {read_id} filed under another step")
+        if not self._start_hit_lo.keys() <= self._start_hits.keys():
+            raise InvariantError("a resume's first hit position without its hit")
+
+    def _new_read_id(self) -> int:
+        read_id = self._next_read_id
+        self._next_read_id += 1
+        return read_id
+
+
+def _limit_task_reads(
+    writer: npt.NDArray[np.int32],
+    source: npt.NDArray[np.int8],
+    chunks_of: Callable[[Tid], int | None],
+) -> tuple[tuple[tuple[Tid, int], ...], str | None]:
+    """Pin TASK rows to the chunks that exist now; a vanished writer is an error (HIT-4).
+
+    Returns the read's chunk limits, in tid order, and its error, if any.
+    """
+    limits: list[tuple[Tid, int]] = []
+    error = None
+    for tid in np.unique(writer[source == _TASK]).tolist():
+        chunks = chunks_of(Tid(tid))
+        if chunks is None:
+            error = f"in-flight write {tid} cannot serve its rows"
+        else:
+            limits.append((Tid(tid), chunks))
+    return tuple(limits), error
+
+
+def _block_slots(block_ids: list[int], block_size: int) -> SlotArray:
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+
+
+def _member(ordered: SlotArray, values: SlotArray) -> npt.NDArray[np.bool_]:
+    """Which `values` occur in the sorted array `ordered`."""
+    if not len(ordered):
+        return np.zeros(len(values), dtype=np.bool_)
+    at = np.searchsorted(ordered, values)
+    at[at >= len(ordered)] = len(ordered) - 1
+    return np.asarray(ordered[at] == values)
+
+
+def _last_row(ordered: SlotArray, order: SlotArray, values: SlotArray) -> npt.NDArray[np.int64]:
+    """Row of the last occurrence of each value in the step (TASK-5), or -1."""
+    if not len(ordered):
+        return np.full(len(values), -1, dtype=np.int64)
+    at = np.searchsorted(ordered, values, side="right") - 1
+    found = at >= 0
+    found[found] = ordered[at[found]] == values[found]
+    return np.where(found, order[np.maximum(at, 0)], -1)
