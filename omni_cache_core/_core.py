@@ -69,7 +69,7 @@ from omni_cache_core._errors import (
     WriteFailedError,
 )
 from omni_cache_core._occupancy import ABSENT, OccupancyTable, SlotTables
-from omni_cache_core._pages import SAVE_HOLDER, Holder, HolderKind, PageHolders
+from omni_cache_core._pages import HolderKind, PageHolders
 from omni_cache_core._reads import HitReads
 from omni_cache_core._save import (
     KeySets,
@@ -397,8 +397,8 @@ class CacheCore:
         sv, page = save.inp, cast(int, save.page)
         writes, slots_now = self._writes, self._slots
         step_id = self._saved.issue_id()
-        self._pages.let_go(page, SAVE_HOLDER)
-        self._pages.hold(page, Holder(HolderKind.STEP, step_id))
+        self._pages.let_go(page, HolderKind.SAVE)
+        self._pages.hold(page, HolderKind.STEP, step_id)
         n, slots = sv.num_tokens, sv.slots
         effects: list[Effect] = []
         slots_now.install((*sv.immediate_keys, *sv.deferred_keys))
@@ -413,7 +413,7 @@ class CacheCore:
                 task = writes.register_step_write(step_id, page)
                 step_tid = task.tid
                 # PAGE-3: the write holds the page before it is visible.
-                self._pages.hold(page, Holder(HolderKind.TASK, step_tid))
+                self._pages.hold(page, HolderKind.TASK, step_tid)
                 for key in sv.immediate_keys:
                     writes.hold(task, key, slots)
                     effects.extend(self._take(key, slots, step_tid, key in busy))
@@ -511,15 +511,16 @@ class CacheCore:
             # Not the oldest unended step: an earlier one may still owe these requests rows.
             self._saved.check_delivery_order(step, requested, entries, cursor, hi, cursors)
         reads = self._hits.of_step(step.step_id, None if whole else requested)
-        try:
-            waits = self._hits.writes_to_await(reads, self._writes.is_registered)
-            if waits:
-                return self._saved.await_writes(
-                    step, inp.now_ns, waits, self._writes.state_of, self.counters
-                )
-        except (HitUnreadableError, WaitTimeoutError):
-            self._end_step(step)  # HIT-4, HIT-6, FAIL-3: the step is consumed
-            raise
+        if reads:
+            try:
+                waits = self._hits.writes_to_await(reads, self._writes.is_registered)
+                if waits:
+                    return self._saved.await_writes(
+                        step, inp.now_ns, waits, self._writes.state_of, self.counters
+                    )
+            except (HitUnreadableError, WaitTimeoutError):
+                self._end_step(step)  # HIT-4, HIT-6, FAIL-3: the step is consumed
+                raise
         step.consuming = True
         step.consume_deadline_ns = None
         start, end, skip = self._requests.deliver(entries, cursor, lo, hi)
@@ -577,7 +578,7 @@ class CacheCore:
             writes.copy_landed(inp.tid)
         elif isinstance(inp, WriteLanded):
             task = writes.move(inp.tid, TaskMove.WRITE_LANDED)
-            tables = self._slots
+            tables = self._slots.by_key
             for key, chunks in task.slots.items():
                 # SLOT-3: a slot leaves a write only through a claim or an absence, which
                 # tombstone it (SLOT-2): without tombstones the write still owns every slot.
@@ -587,7 +588,7 @@ class CacheCore:
         elif isinstance(inp, WriteFailed):
             task = writes.fail(inp.tid)
             self.counters.writes_failed += 1
-            tables = self._slots
+            tables = self._slots.by_key
             for key, chunks in task.slots.items():
                 tables[key].forget(task.tid, concat(chunks))
             self._retire(task)
@@ -651,10 +652,10 @@ class CacheCore:
         need(held_by_steps == set(steps), "a step without its page holder")
         for task in tasks.values():
             if task.page is not None:
-                holder = Holder(HolderKind.TASK, task.tid)
-                need(self._pages.holds(task.page, holder), f"task {task.tid} lost page")
+                holds = self._pages.holds(task.page, HolderKind.TASK, task.tid)
+                need(holds, f"task {task.tid} lost page")
         if save is not None and save.page is not None:
-            need(self._pages.holds(save.page, SAVE_HOLDER), "pending save lost its page")
+            need(self._pages.holds(save.page, HolderKind.SAVE), "pending save lost its page")
         # BUDGET-1: the tasks' reservation is the save's admitted charge.
         need(
             self._writes.reserved == self._save.reserved,
@@ -699,7 +700,7 @@ class CacheCore:
         `writes_in_flight`: whether a write registered before this save's own holds `key`.
         """
         effects: list[Tombstone] = []
-        table = self._slots[key]
+        table = self._slots.by_key[key]
         for tid, lost in table.take(slots, owner, writes_in_flight=writes_in_flight):
             self._writes.tombstone(Tid(tid), key, lost)
             effects.append(Tombstone(tid=Tid(tid), key=key, slots=lost))
@@ -709,14 +710,14 @@ class CacheCore:
         """TASK-6: a WRITTEN or FAILED write leaves, and lets go of its page, in one input."""
         page = self._writes.retire(task)
         if page is not None:
-            self._pages.let_go(page, Holder(HolderKind.TASK, task.tid))  # PAGE-3
+            self._pages.let_go(page, HolderKind.TASK, task.tid)  # PAGE-3
 
     def _end_step(self, step: Step) -> None:
         """D5: a step ends (discarded, consumed, or refused): its page holder and reads go."""
         self._saved.remove(step)
         if self._requests.ended:
             self._requests.on_step_end(self._saved.entry_arrays())
-        self._pages.let_go(step.page, Holder(HolderKind.STEP, step.step_id))
+        self._pages.let_go(step.page, HolderKind.STEP, step.step_id)
         self._hits.drop_step(step.step_id)
 
 

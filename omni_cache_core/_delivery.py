@@ -42,7 +42,12 @@ from typing import Any, Final, cast
 import numpy as np
 import numpy.typing as npt
 
-from omni_cache_core._contract import PrefixCacheEventKind, PrefixCacheRequestEvent, ReqId
+from omni_cache_core._contract import (
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    ReqId,
+    _CodeRepr,
+)
 from omni_cache_core._errors import BadInputError, InvariantError, LifecycleError
 from omni_cache_core._occupancy import any_true
 
@@ -71,7 +76,7 @@ class AdmissionState(enum.IntEnum):
         return f"AdmissionState.{self.name}"
 
 
-class RequestState(enum.Enum):
+class RequestState(_CodeRepr):
     """A request id's state, as a lifecycle record finds it (its value is the error's wording)."""
 
     #: Never started, or ended.
@@ -80,9 +85,6 @@ class RequestState(enum.Enum):
     RUNNING = "running"
     #: Preempted, not resumed or ended.
     PREEMPTED = "preempted"
-
-    def __repr__(self) -> str:
-        return f"RequestState.{self.name}"
 
 
 _K = PrefixCacheEventKind

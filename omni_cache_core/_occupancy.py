@@ -171,60 +171,59 @@ class SlotTables:
         num_slots: Slots per table.
     """
 
-    __slots__ = ("_spare", "_tables", "num_slots")
+    __slots__ = ("_spare", "by_key", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self._tables: dict[TensorName, OccupancyTable] = {}
+        #: The tables in use by key, first seen first; callers only read it (hot paths index it
+        #: directly: a property or a method costs a call per key and report).
+        self.by_key: dict[TensorName, OccupancyTable] = {}
         #: Tables allocated ahead of a key's first save: an allocation cache, not state.
         self._spare: dict[TensorName, OccupancyTable] = {}
 
     @property
     def tables(self) -> Mapping[TensorName, OccupancyTable]:
         """The tables in use by key, first seen first (a read-only view)."""
-        return MappingProxyType(self._tables)
+        return MappingProxyType(self.by_key)
 
     @property
     def spare(self) -> Mapping[TensorName, OccupancyTable]:
         """The spare tables by key (a read-only view)."""
         return MappingProxyType(self._spare)
 
-    def __getitem__(self, key: TensorName) -> OccupancyTable:
-        return self._tables[key]
-
     def seen_keys(self) -> KeysView[TensorName]:
         """The cached keys seen so far, first seen first."""
-        return self._tables.keys()
+        return self.by_key.keys()
 
     def get(self, key: TensorName) -> OccupancyTable | None:
         """The key's table, or None for a key never saved."""
-        return self._tables.get(key)
+        return self.by_key.get(key)
 
     def metadata_bytes(self) -> int:
         """Bytes of every table, spare tables included (SLOT-6)."""
-        return sum(t.metadata_bytes for t in (*self._tables.values(), *self._spare.values()))
+        return sum(t.metadata_bytes for t in (*self.by_key.values(), *self._spare.values()))
 
     def reserve(self, keys: Iterable[TensorName]) -> None:
         """Allocate the tables of keys not seen yet; all or none (a MemoryError keeps none)."""
         new = {
             key: OccupancyTable(self.num_slots)
             for key in dict.fromkeys(keys)
-            if key not in self._tables and key not in self._spare
+            if key not in self.by_key and key not in self._spare
         }
         self._spare.update(new)
 
     def install(self, keys: Iterable[TensorName]) -> None:
         """Give each key not seen yet its table: its spare one, or a new one."""
         for key in keys:
-            if key not in self._tables:
+            if key not in self.by_key:
                 spare = self._spare.pop(key, None)
-                self._tables[key] = spare if spare is not None else OccupancyTable(self.num_slots)
+                self.by_key[key] = spare if spare is not None else OccupancyTable(self.num_slots)
 
     def owners_at(
         self, key: TensorName, slots: SlotArray
     ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint32]]:
         """Owner and version of `slots` for `key` (UNKNOWN, version 0 for a key never seen)."""
-        table = self._tables.get(key)
+        table = self.by_key.get(key)
         if table is None:
             return (
                 np.full(len(slots), UNKNOWN, dtype=np.int32),
@@ -235,7 +234,7 @@ class SlotTables:
     def snapshot(self) -> tuple[Any, ...]:
         """A canonical, hashable value of the tables in use (spare tables are not state)."""
         return tuple(
-            (k, t.claims, t.owner.tobytes(), t.version.tobytes()) for k, t in self._tables.items()
+            (k, t.claims, t.owner.tobytes(), t.version.tobytes()) for k, t in self.by_key.items()
         )
 
     def check_invariants(self) -> None:
@@ -244,7 +243,7 @@ class SlotTables:
         Raises:
             InvariantError: One does not hold (a bug in this library).
         """
-        for key, table in self._tables.items():
+        for key, table in self.by_key.items():
             if not bool((table.owner >= UNKNOWN).all()):
                 raise InvariantError(f"key {key}: bad owner code")
             if table.claims < 2**32 and int(table.version.max()) > table.claims:
@@ -252,7 +251,7 @@ class SlotTables:
                     f"key {key}: a version above the table's {table.claims} claims"
                 )
         for key, table in self._spare.items():
-            if key in self._tables:
+            if key in self.by_key:
                 raise InvariantError(f"key {key}: a spare table beside the one in use")
             if table.claims != 0 or not bool((table.owner == UNKNOWN).all()):
                 raise InvariantError(f"key {key}: a spare table that is not fresh")

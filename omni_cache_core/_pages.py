@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from omni_cache_core._errors import InvariantError
 
-__all__ = ["SAVE_HOLDER", "Holder", "HolderKind", "PageHolders"]
+__all__ = ["Holder", "HolderKind", "PageHolders"]
 
 
 class HolderKind(enum.IntEnum):
@@ -40,35 +40,38 @@ class HolderKind(enum.IntEnum):
 
 
 class Holder(NamedTuple):
-    """One holder of a page: its kind and the id of the thing (a step id, a tid; 0 for SAVE)."""
+    """One holder of a page: its kind and the id of the thing (a step id, a tid; 0 for SAVE).
+
+    Equal to the plain ``(kind, ident)`` pair `PageHolders` stores.
+    """
 
     kind: HolderKind
     ident: int
 
 
-#: The holder of the save in progress (one save at a time).
-SAVE_HOLDER = Holder(HolderKind.SAVE, 0)
-
-
 class PageHolders:
-    """The holders of every staging page."""
+    """The holders of every staging page.
+
+    A holder is stored as the plain ``(kind, ident)`` pair a `Holder` equals (building the
+    named tuple costs several times more, at every save, report and consume).
+    """
 
     __slots__ = ("_pages",)
 
     def __init__(self, depth: int) -> None:
-        self._pages: list[set[Holder]] = [set() for _ in range(depth)]
+        self._pages: list[set[tuple[HolderKind, int]]] = [set() for _ in range(depth)]
 
-    def hold(self, page: int, holder: Holder) -> None:
-        """Add `holder` to `page`."""
-        self._pages[page].add(holder)
+    def hold(self, page: int, kind: HolderKind, ident: int = 0) -> None:
+        """Add the holder `(kind, ident)` to `page`."""
+        self._pages[page].add((kind, ident))
 
-    def let_go(self, page: int, holder: Holder) -> None:
-        """Remove `holder` from `page` (nothing if it does not hold it)."""
-        self._pages[page].discard(holder)
+    def let_go(self, page: int, kind: HolderKind, ident: int = 0) -> None:
+        """Remove the holder `(kind, ident)` from `page` (nothing if it does not hold it)."""
+        self._pages[page].discard((kind, ident))
 
-    def holds(self, page: int, holder: Holder) -> bool:
-        """Whether `holder` holds `page`."""
-        return holder in self._pages[page]
+    def holds(self, page: int, kind: HolderKind, ident: int = 0) -> bool:
+        """Whether the holder `(kind, ident)` holds `page`."""
+        return (kind, ident) in self._pages[page]
 
     def free_page(self) -> int | None:
         """The lowest page with no holder, or None (PAGE-2)."""
@@ -84,7 +87,7 @@ class PageHolders:
 
     def holders(self) -> list[tuple[int, Holder]]:
         """Every (page, holder) pair, page by page."""
-        return [(page, h) for page, holders in enumerate(self._pages) for h in holders]
+        return [(page, Holder(*h)) for page, holders in enumerate(self._pages) for h in holders]
 
     def snapshot(self) -> tuple[Any, ...]:
         """A canonical, hashable value of the holders."""
@@ -98,8 +101,9 @@ class PageHolders:
         """
         seen: set[Holder] = set()
         for page, holders in enumerate(self._pages):
-            for holder in holders:
-                if not isinstance(holder.kind, HolderKind):
+            for kind, ident in holders:
+                holder = Holder(kind, ident)
+                if not isinstance(kind, HolderKind) or type(ident) is not int:
                     raise InvariantError(f"page {page} has a stray holder {holder!r}")
                 if holder in seen:
                     raise InvariantError(f"{holder!r} holds two pages")

@@ -240,7 +240,7 @@ class HitReads:
         first_id = self._next_read_id
         self._next_read_id += len(hits) * len(hit_keys)
         # The usual hit: every row is in the pool (owner COMMITTED, code 0).
-        pending = {key: tables[key].owner[every] != COMMITTED for key in hit_keys}
+        pending = {key: tables.by_key[key].owner[every] != COMMITTED for key in hit_keys}
         all_committed = {key: not any_true(mask) for key, mask in pending.items()}
         effects: list[PrefetchRead] = []
         ranges: dict[int, npt.NDArray[np.int64]] = {}  # hits are mostly of one length

@@ -25,14 +25,21 @@ the core publishes a READY save.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from omni_cache_core._contract import HIDDEN_KEY, ModelCachePolicy, ReqId, StepId, TensorName, Tid
+from omni_cache_core._contract import (
+    HIDDEN_KEY,
+    ModelCachePolicy,
+    ReqId,
+    StepId,
+    TensorName,
+    Tid,
+    _CodeRepr,
+)
 from omni_cache_core._counters import CoreCounters
 from omni_cache_core._errors import (
     BadInputError,
@@ -42,7 +49,7 @@ from omni_cache_core._errors import (
     WaitTimeoutError,
 )
 from omni_cache_core._occupancy import any_true
-from omni_cache_core._pages import SAVE_HOLDER, PageHolders
+from omni_cache_core._pages import HolderKind, PageHolders
 from omni_cache_core._tasks import WriteTasks
 from omni_cache_core._values import (
     AwaitPage,
@@ -64,7 +71,7 @@ __all__ = [
 ]
 
 
-class SavePhase(enum.Enum):
+class SavePhase(_CodeRepr):
     """Where the save in progress is."""
 
     #: Waiting for the last step's write and the escalated writes (TASK-3).
@@ -76,11 +83,8 @@ class SavePhase(enum.Enum):
     #: Holding a page: ready to commit.
     READY = 3
 
-    def __repr__(self) -> str:
-        return f"SavePhase.{self.name}"
 
-
-class SaveOutcome(enum.Enum):
+class SaveOutcome(_CodeRepr):
     """What one phase found at one `SaveProceed`."""
 
     #: Something to wait for.
@@ -93,9 +97,6 @@ class SaveOutcome(enum.Enum):
     ADMITTED = 3
     #: A page was claimed.
     CLAIMED = 4
-
-    def __repr__(self) -> str:
-        return f"SaveOutcome.{self.name}"
 
 
 _P, _O = SavePhase, SaveOutcome
@@ -167,31 +168,27 @@ class SaveInProgress:
         timeout_s: The same, for error messages.
     """
 
-    __slots__ = ("_save", "_timeout_ns", "_timeout_s")
+    __slots__ = ("_timeout_ns", "_timeout_s", "pending")
 
     def __init__(self, timeout_ns: int, timeout_s: float) -> None:
         self._timeout_ns = timeout_ns
         self._timeout_s = timeout_s
-        self._save: PendingSave | None = None
-
-    @property
-    def pending(self) -> PendingSave | None:
-        """The save in progress, or None."""
-        return self._save
+        #: The save in progress, or None; callers only read it.
+        self.pending: PendingSave | None = None
 
     @property
     def reserved(self) -> int:
         """The bytes the save in progress reserved (0 without one)."""
-        return self._save.charged if self._save is not None else 0
+        return self.pending.charged if self.pending is not None else 0
 
     def refuse_if_pending(self, what: str, expected: str) -> None:
         """Raise `BadInputError` naming `what` if a save is in progress (one at a time)."""
-        if self._save is not None:
+        if self.pending is not None:
             raise BadInputError(what=what, expected=expected, got="a save in progress")
 
     def begin(self, save: PendingSave) -> None:
         """Open a validated save."""
-        self._save = save
+        self.pending = save
 
     def require(self) -> PendingSave:
         """The save in progress.
@@ -199,9 +196,9 @@ class SaveInProgress:
         Raises:
             BadInputError: There is none; nothing changes.
         """
-        if self._save is None:
+        if self.pending is None:
             raise BadInputError(what="save", expected="a save in progress", got="none")
-        return self._save
+        return self.pending
 
     def take_ready(self) -> PendingSave:
         """Close the READY save for its commit and hand it over.
@@ -216,18 +213,18 @@ class SaveInProgress:
                 expected="a claimed page",
                 got=f"phase {save.phase.name.lower()}",
             )
-        self._save = None
+        self.pending = None
         return save
 
     def abort(self, tasks: WriteTasks, pages: PageHolders) -> None:
         """STEP-5: drop the save, its page claim and its reservation. Idempotent."""
-        save = self._save
+        save = self.pending
         if save is None:
             return
         if save.page is not None:
-            pages.let_go(save.page, SAVE_HOLDER)
+            pages.let_go(save.page, HolderKind.SAVE)
         tasks.unreserve(save.charged)
-        self._save = None
+        self.pending = None
 
     def proceed(
         self,
@@ -244,7 +241,9 @@ class SaveInProgress:
             PageTimeoutError: No page freed up in time (PAGE-4).
             In both cases the save stays as this input found it.
         """
-        save = self.require()
+        save = self.pending
+        if save is None:
+            save = self.require()  # raises
         entry = (save.phase, save.deadline_ns, save.charged, save.flushing)
         try:
             return self._advance(save, now, tasks, pages, counters, open_step_ids)
@@ -309,7 +308,7 @@ class SaveInProgress:
                         tasks_in_flight=tasks.with_pages(),
                     )
                 return AwaitPage(deadline_ns=save.deadline_ns)
-            pages.hold(free, SAVE_HOLDER)
+            pages.hold(free, HolderKind.SAVE)
             save.page = free
             save.move(SaveOutcome.CLAIMED)
         assert save.page is not None
@@ -340,7 +339,7 @@ class SaveInProgress:
 
     def snapshot(self) -> tuple[Any, ...] | None:
         """A canonical, hashable value of the save in progress."""
-        save = self._save
+        save = self.pending
         if save is None:
             return None
         return (
@@ -364,7 +363,7 @@ class SaveInProgress:
         Raises:
             InvariantError: It does not (a bug in this library).
         """
-        save = self._save
+        save = self.pending
         if save is not None and (save.page is not None) != (save.phase is SavePhase.READY):
             raise InvariantError(f"a save in phase {save.phase!r} with page {save.page}")
         if save is not None and save.charged < 0:

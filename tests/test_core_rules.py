@@ -44,7 +44,7 @@ from omni_cache_core import (
 )
 from omni_cache_core._core import CacheCore
 from omni_cache_core._occupancy import ABSENT, OccupancyTable
-from omni_cache_core._pages import Holder, HolderKind
+from omni_cache_core._pages import HolderKind
 from omni_cache_core._tasks import _TASK_MOVES, TaskMove
 from omni_cache_core._tasks import MAX_TID as _MAX_TID
 from omni_cache_core._values import (
@@ -1695,7 +1695,7 @@ def _corrupt_budget(core: CacheCore) -> None:
 
 
 def _corrupt_page_holder(core: CacheCore) -> None:
-    core._pages.hold(1, Holder(HolderKind.STEP, 99))
+    core._pages.hold(1, HolderKind.STEP, 99)
 
 
 def _corrupt_owner(core: CacheCore) -> None:
