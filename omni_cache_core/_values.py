@@ -21,7 +21,9 @@ from omni_cache_core._contract import PrefixCacheStep, ReqId, StepId, TensorName
 __all__ = [
     "AwaitPage",
     "AwaitTasks",
+    "CommitEffect",
     "ConsumeBegin",
+    "ConsumeEffect",
     "ConsumeEnd",
     "ConsumePlan",
     "CopyLanded",
@@ -38,10 +40,12 @@ __all__ = [
     "SaveBegin",
     "SaveCommit",
     "SaveProceed",
+    "SaveProceedEffect",
     "SavePublished",
     "ShutDown",
     "SlotArray",
     "SlotSource",
+    "StartEffect",
     "StartStep",
     "StepWrite",
     "TaskState",
@@ -442,3 +446,21 @@ Effect: TypeAlias = (
     | ConsumePlan
     | SavePublished
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Effects by the input that returns them. Each adapter dispatch matches one of these unions
+# exhaustively, so an effect that an input starts returning without a handler fails the type
+# check instead of reaching the adapter's `assert_never`.
+
+StartEffect: TypeAlias = EscalateTasks | PrefetchRead
+"""What `CacheCore.start_step` returns: escalations of ended requests' writes, hit prefetches."""
+
+SaveProceedEffect: TypeAlias = AwaitTasks | EscalateTasks | AwaitPage | PageClaimed
+"""What `CacheCore.save_proceed` returns: a wait, a budget flush to run first, or the page."""
+
+CommitEffect: TypeAlias = StepWrite | DeferredChunk | Tombstone | Preserve
+"""What `SavePublished.effects` of `CacheCore.save_commit` holds, in the order to run them."""
+
+ConsumeEffect: TypeAlias = ConsumePlan | AwaitTasks
+"""What `CacheCore.consume_begin` returns: the consume's plan, or the hit join to wait for."""

@@ -1,0 +1,331 @@
+"""The consume path: `materialize` and `discard_step`, and the merge of hit rows with a step's.
+
+A consume is `ConsumeBegin` (through the `EffectInterpreter`, which waits for the hit join),
+the build of the outputs outside the state lock, then `ConsumeEnd`, which releases the step's
+page. The build reads only what the save captured in the step's context (STEP-3) and gathers
+each hit row from the source the core planned for it (HIT-3): the pool, a deferred write's own
+rows, zeros, or the step itself; a prefetch covers committed rows (HIT-7) and preserved rows win
+over everything gathered (HIT-6).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from omni_cache_core import (
+    HIDDEN_KEY,
+    BadInputError,
+    ConsumeEnd,
+    ConsumePlan,
+    HitUnreadableError,
+    OmniPrefixCacheUnmatchError,
+    ReadPlan,
+    ReqId,
+    ShutDownError,
+    SlotSource,
+    StepId,
+    TensorName,
+    Tid,
+)
+from omni_cache_cuda._committer import WriteJob
+from omni_cache_cuda._effects import EffectInterpreter
+from omni_cache_cuda._outputs import DeliveredPositions, StageCacheOutputs, split_leftover, unpin
+from omni_cache_cuda._state import AdapterState, ReadRecord, Seams, StepContext
+
+__all__ = ["ConsumePath"]
+
+_POOL = SlotSource.POOL.value
+_AFTER_WRITE = SlotSource.AFTER_WRITE.value
+_TASK = SlotSource.TASK.value
+_ZEROS = SlotSource.ZEROS.value
+_THIS_STEP = SlotSource.THIS_STEP.value
+
+
+class ConsumePath:
+    """Consumes saved steps, on any thread (`materialize`, `discard_step`; CONC-3)."""
+
+    def __init__(self, state: AdapterState, seams: Seams, effects: EffectInterpreter) -> None:
+        self._state = state
+        self._seams = seams
+        self._effects = effects
+        self._pool = state.pool
+        self._pages = state.pages
+
+    def materialize(self, step_id: object, req_ids: Sequence[str]) -> StageCacheOutputs:
+        """Return the requests' merged outputs of a saved step, consuming its id (STEP-1).
+
+        Blocks for the hit join and the gathers, never under the state lock.
+        """
+        state = self._state
+        checked_id = self._step_id(step_id, "materialize")
+        wanted = None if isinstance(req_ids, str) else _as_tuple(req_ids)
+        if wanted is None:
+            state.refuse_if_unusable("materialize")
+            raise BadInputError(
+                what="materialize req_ids",
+                expected="a sequence of request ids",
+                got="a str" if isinstance(req_ids, str) else type(req_ids).__name__,
+            )
+        plan, ctx, records = self._effects.consume(checked_id, wanted)
+        delivered = False
+        try:
+            out = self._build(plan, ctx, records, wanted)
+            delivered = True
+            return out
+        except Exception as exc:
+            if state.closed and not isinstance(exc, OmniPrefixCacheUnmatchError):
+                # The cache shut down while this materialize was reading (FAIL-4).
+                raise ShutDownError(operation="materialize") from exc
+            raise
+        finally:
+            with state.lock:
+                # D19: outputs that never reached the caller were not delivered.
+                state.core.consume_end(ConsumeEnd(step_id=checked_id, delivered=delivered))
+                state.forget_step(checked_id)
+            state.signal.bump()  # a page may be free now
+
+    def discard(self, step_id: object) -> None:
+        """Consume a step id without reading it (STEP-1); its writes go on. Does not block."""
+        self._effects.consume(self._step_id(step_id, "discard_step"), None)
+        self._state.signal.bump()
+
+    def _step_id(self, step_id: object, operation: str) -> StepId:
+        """A step id given to a consume, or `BadInputError` (FAIL-5)."""
+        if isinstance(step_id, (int, np.integer)) and not isinstance(step_id, bool):
+            return StepId(int(step_id))
+        self._state.refuse_if_unusable(operation)
+        raise BadInputError(
+            what=f"{operation} step_id",
+            expected="an int step id returned by save_outputs",
+            got=repr(step_id),
+        )
+
+    def _build(
+        self,
+        plan: ConsumePlan,
+        ctx: StepContext,
+        records: Mapping[int, ReadRecord],
+        wanted: tuple[str, ...],
+    ) -> StageCacheOutputs:
+        """Merge hit prefix rows with the step's rows, per request and key (HIT-3, OUT-5)."""
+        if ctx.d2h_event is not None or ctx.leftover_event is not None:
+            with self._state.ranges("omni_cache.wait.step_copy"):
+                if ctx.d2h_event is not None:
+                    ctx.d2h_event.synchronize()
+                if ctx.leftover_event is not None:
+                    ctx.leftover_event.synchronize()
+        leftover = ctx.leftover
+        if ctx.leftover_event is not None:
+            leftover = unpin(leftover)  # OUT-4: the payload holds no pinned pages
+        n = ctx.n
+        # This step's rows per cached key, copied out of the page once (the page is released
+        # right after this call), shaped back to the key's row shape.
+        current: dict[TensorName, torch.Tensor] = {}
+        for key in ctx.immediate_keys:
+            current[key] = (
+                self._pages.rows(key, ctx.page, n).clone().reshape(n, *ctx.shapes[key].features)
+            )
+        for key, rows in ctx.deferred_rows.items():
+            host = leftover.get(key)
+            current[key] = host[:n] if isinstance(host, torch.Tensor) else rows.cpu()
+        reads = {(r.req_id, r.key): r for r in plan.reads}
+        rows_of = {req: ctx.req_rows[req] for req in wanted}
+        # DLV-2: rows of positions already delivered (after a preemption) are cut off the front.
+        skips: dict[str, int] = {}
+        if plan.skip is not None:
+            skips = {r: k for r, k in zip(wanted, plan.skip.tolist(), strict=True) if k}
+            hit_len: dict[str, int] = {r.req_id: len(r.slots) for r in plan.reads}
+            for req, k in skips.items():
+                start, end = rows_of[req]
+                rows_of[req] = (min(end, start + max(0, k - hit_len.get(req, 0))), end)
+
+        # One split per key makes every request's view at once (a decode step has hundreds).
+        sizes = [end - start for start, end in ctx.req_rows.values()]
+
+        def merged(key: TensorName) -> dict[str, torch.Tensor]:
+            base = current[key]
+            pieces = dict(zip(ctx.req_rows, torch.split(base, sizes), strict=True))
+            out = {req: pieces[req] for req in wanted}
+            for (read_req, read_key), read in reads.items():
+                req: str = read_req
+                if read_key == key and req in out:
+                    # One buffer per hit request: the prefix is gathered straight into it.
+                    tail = out[req]
+                    hit = len(read.slots)
+                    full = torch.empty((hit + len(tail), *tail.shape[1:]), dtype=tail.dtype)
+                    flat = full.view(len(full), -1)
+                    self._seams._gather(flat[:hit], read, records.get(read.read_id), ctx, current)
+                    # An explicit width: a request with 0 rows this step has an empty tail.
+                    flat[hit:].copy_(tail.reshape(len(tail), flat.shape[1]))
+                    out[req] = full
+            for req, k in skips.items():
+                out[req] = out[req][k:]
+            return out
+
+        hidden_states = None
+        mm_outputs: dict[str, dict[str, Any]] = {}
+        for key in plan.keys:
+            if key == HIDDEN_KEY:
+                hidden_states = (
+                    merged(key)
+                    if key in current
+                    else {
+                        req: self._hit_only(
+                            reads.get((cast(ReqId, req), key)), records, ctx, current, key
+                        )[skips.get(req, 0) :]
+                        for req in rows_of
+                    }
+                )
+            elif key in current:
+                mm_outputs[key] = merged(key)
+        cached = set(plan.keys)
+        for name, value in leftover.items():
+            if name not in cached:
+                mm_outputs[name] = split_leftover(value, rows_of, n)
+        return StageCacheOutputs(
+            hidden_states, mm_outputs, DeliveredPositions(wanted, plan.starts, plan.ends)
+        )
+
+    def _hit_only(
+        self,
+        read: ReadPlan | None,
+        records: Mapping[int, ReadRecord],
+        ctx: StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+        key: TensorName,
+    ) -> torch.Tensor:
+        """Hidden rows of a step with no rows of its own: the hit prefix, or nothing."""
+        shape = self._pool.shapes.get(key)
+        if read is None:
+            if shape is None:
+                return torch.empty((0, 0))
+            return torch.empty((0, *shape.features), dtype=shape.dtype)
+        assert shape is not None
+        out = torch.empty((len(read.slots), shape.width), dtype=shape.dtype)
+        self._seams._gather(out, read, records.get(read.read_id), ctx, current)
+        return out.reshape(len(out), *shape.features)
+
+    def gather(
+        self,
+        out: torch.Tensor,
+        read: ReadPlan,
+        record: ReadRecord | None,
+        ctx: StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+    ) -> None:
+        """Fill ``out`` (one row per hit slot) from the sources the core planned (HIT-3).
+
+        A gather that fails (here or in its prefetch) raises `HitUnreadableError`: the rows
+        cannot be served, and the materialize that needed them fails (D19).
+        """
+        state = self._state
+        with state.ranges("omni_cache.hit_gather"):
+            try:
+                state.faults.fire("gather", read)
+                self._seams._gather_rows(out, read, record, ctx, current)
+            except OmniPrefixCacheUnmatchError:
+                raise
+            except (Exception, concurrent.futures.CancelledError) as exc:
+                if state.closed:
+                    raise ShutDownError(operation="materialize") from exc
+                raise HitUnreadableError(
+                    req_id=read.req_id,
+                    key=read.key,
+                    reason=f"gathering the hit rows failed: {type(exc).__name__}: {exc}",
+                    slot_count=len(read.slots),
+                ) from exc
+
+    def gather_rows(
+        self,
+        out: torch.Tensor,
+        read: ReadPlan,
+        record: ReadRecord | None,
+        ctx: StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+    ) -> None:
+        """Gather each row from its planned source, then lay the preserved rows over them."""
+        key = read.key
+        pool = self._pool.tensors[key]
+        source = read.source
+        pooled = (source == _POOL) | (source == _AFTER_WRITE)
+        prefetched = record.prefetch if record is not None else None
+        if prefetched is not None:
+            positions, future = prefetched
+            rows = future.result()
+            if len(positions) == len(source):
+                out.copy_(rows)  # HIT-7: the prefetch covered every row
+                pooled = np.zeros(len(source), dtype=np.bool_)
+            elif len(positions):
+                out[torch.from_numpy(positions)] = rows
+                pooled[positions] = False
+        if pooled.all():
+            torch.index_select(pool, 0, torch.from_numpy(read.slots), out=out)
+        else:
+            if pooled.any():
+                todo = np.flatnonzero(pooled)
+                out[torch.from_numpy(todo)] = pool.index_select(
+                    0, torch.from_numpy(read.slots[todo])
+                )
+            zeros = np.flatnonzero(source == _ZEROS)
+            if len(zeros):
+                out[torch.from_numpy(zeros)] = 0
+            tasked = np.flatnonzero(source == _TASK)
+            if len(tasked):
+                limits = dict(read.chunk_limit)
+                for tid in np.unique(read.writer[tasked]).tolist():
+                    mine = tasked[read.writer[tasked] == tid]
+                    out[torch.from_numpy(mine)] = self._task_rows(
+                        ctx.task_jobs[Tid(tid)], key, read.slots[mine], limits[Tid(tid)]
+                    )
+            own = np.flatnonzero(source == _THIS_STEP)
+            if len(own):
+                rows = current[key].reshape(len(current[key]), -1)
+                index = torch.from_numpy(read.step_row[own].astype(np.int64))
+                out[torch.from_numpy(own)] = rows[index]
+        if record is not None:
+            # HIT-6: rows preserved before a newer write landed win over what was gathered.
+            # Closing under the lock means a later Preserve skips: the gather is done.
+            with record.lock:
+                for positions, rows in record.preserved:
+                    out[torch.from_numpy(positions)] = rows
+                record.closed = True
+
+    def _task_rows(
+        self, job: WriteJob, key: TensorName, slots: np.ndarray, limit: int
+    ) -> torch.Tensor:
+        """Rows of a deferred write for ``slots``, from its first ``limit`` chunks (last wins)."""
+        with job.lock:  # the committer swaps device clones for host rows under this lock
+            chunks = [(c.slots.numpy(), c.rows(key)) for c in job.chunks[:limit]]
+        sources = [(s, r) for s, r in chunks if r is not None]
+        all_slots = np.concatenate([s for s, _ in sources])
+        order = np.argsort(all_slots, kind="stable")
+        at = np.searchsorted(all_slots[order], slots, side="right") - 1
+        index = torch.from_numpy(order[at])
+        parts = [r.reshape(len(r), -1) for _, r in sources]
+        if not parts[0].is_cuda:
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return rows.index_select(0, index)
+        stream = self._state.read_stream
+        assert stream is not None
+        with torch.cuda.stream(stream):
+            # DEV-1: the clones are read only after the compute stream finished writing them;
+            # everything here, the concatenation included, runs on the read stream.
+            if job.freeze_event is not None:
+                stream.wait_event(job.freeze_event)
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+            picked = rows.index_select(0, index.to(rows.device, non_blocking=False)).to("cpu")
+        stream.synchronize()
+        return picked
+
+
+def _as_tuple(items: Any) -> tuple[Any, ...] | None:
+    """``tuple(items)``, or None when `items` is not iterable."""
+    try:
+        return tuple(items)
+    except TypeError:
+        return None

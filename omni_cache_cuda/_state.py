@@ -1,0 +1,274 @@
+"""The adapter's shared state: the core, the locks and storage, and the per-step tables.
+
+`OmniPrefixCacheManager` builds one `AdapterState` and hands it to the paths that share it:
+the effect interpreter (`_effects`), the save path (`_save_path`), the consume path
+(`_consume_path`) and the host storage (`_host_memory`). Everything those paths both read or
+write lives here, named; nothing else is shared between them.
+
+Seams: a few steps are replaced by tests on a live manager or on its class, under the names
+they have there (`Seams`). The paths call those steps through the manager (a weak proxy, so a
+dropped manager is still collected at once), and the manager's methods of those names run the
+paths' own code.
+
+Locking (CONC-1, CONC-2): ``lock`` guards the core and the tables (``jobs``, ``steps``,
+``reads``, ``start_reads``) and is held only for table work. A `ReadRecord` has its own lock,
+since a save's preserve and a consume's gather meet on it outside the state lock (HIT-6).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from omni_cache_core import (
+    CacheCore,
+    PrefixCacheConfig,
+    Preserve,
+    ReadPlan,
+    Report,
+    ShutDownError,
+    StepId,
+    TensorName,
+    Tid,
+    WriteFailed,
+    WriteLanded,
+)
+from omni_cache_cuda._committer import Committer, Signal, WriteJob
+from omni_cache_cuda._faults import Faults
+from omni_cache_cuda._layout import PrefixCacheWriteLayout
+from omni_cache_cuda._log import RateLimit
+from omni_cache_cuda._nvtx import RangeFn
+from omni_cache_cuda._outputs import Classified
+from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
+
+__all__ = ["AdapterState", "ReadRecord", "Seams", "StepContext"]
+
+
+class ReadRecord:
+    """The adapter side of one planned hit read: its prefetch and its preserved rows (HIT-6)."""
+
+    __slots__ = ("closed", "lock", "prefetch", "preserved")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+        # (positions, future of the gathered rows), from a PrefetchRead effect (HIT-7).
+        self.prefetch: tuple[np.ndarray, concurrent.futures.Future[torch.Tensor]] | None = None
+        self.preserved: list[tuple[np.ndarray, torch.Tensor]] = []
+
+
+class StepContext:
+    """Everything a consume of one step reads, captured at save (STEP-3)."""
+
+    __slots__ = (
+        "d2h_event",
+        "deferred_rows",
+        "freeze_event",
+        "immediate_keys",
+        "leftover",
+        "leftover_event",
+        "n",
+        "page",
+        "read_ids",
+        "req_rows",
+        "shapes",
+        "task_jobs",
+    )
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.page = 0
+        self.req_rows: dict[str, tuple[int, int]] = {}
+        self.immediate_keys: tuple[TensorName, ...] = ()
+        self.deferred_rows: dict[TensorName, torch.Tensor] = {}
+        self.leftover: dict[str, Any] = {}
+        self.leftover_event: Any = None
+        self.d2h_event: Any = None
+        self.freeze_event: Any = None
+        self.shapes: dict[TensorName, KeyShape] = {}
+        self.read_ids: tuple[int, ...] = ()
+        self.task_jobs: dict[Tid, WriteJob] = {}
+
+
+class Seams(Protocol):
+    """The steps tests replace on a live manager or its class, by their names there.
+
+    `OmniPrefixCacheManager` provides them; each runs the code of the path named.
+    """
+
+    def _wait(self, seen: int, deadline_ns: int) -> None:
+        """`AdapterState.wait_for_signal`: the wait of the save and consume loops."""
+
+    def _preserve(self, record: ReadRecord, effect: Preserve) -> None:
+        """`EffectInterpreter.preserve_rows`: a delayed read's copy-on-write (HIT-6)."""
+
+    def _check_first_shape(self, what: str, key: TensorName, shape: KeyShape) -> None:
+        """`HostMemory.check_first_shape`: a key keeps its first row shape (FAIL-5)."""
+
+    def _stage(
+        self,
+        parts: Classified,
+        n: int,
+        page: int,
+        layout: PrefixCacheWriteLayout,
+        slot_ids: torch.Tensor,
+    ) -> tuple[StepContext, WriteJob | None]:
+        """`SavePath.stage`: the page copy, clones and leftover snapshot of a save."""
+        ...
+
+    def _gather(
+        self,
+        out: torch.Tensor,
+        read: ReadPlan,
+        record: ReadRecord | None,
+        ctx: StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+    ) -> None:
+        """`ConsumePath.gather`: one hit read's rows, or `HitUnreadableError` (HIT-3, D19)."""
+
+    def _gather_rows(
+        self,
+        out: torch.Tensor,
+        read: ReadPlan,
+        record: ReadRecord | None,
+        ctx: StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+    ) -> None:
+        """`ConsumePath.gather_rows`: the rows from their planned sources (HIT-3, HIT-6)."""
+
+
+class AdapterState:
+    """What the adapter's paths share: the core, its lock, the storage, threads and tables.
+
+    The objects set at construction are never rebound (the manager exposes some of them under
+    its own private names), except ``lock``, which a test may replace with a recording lock
+    before any work; the tables are emptied in place at shutdown.
+    """
+
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        core: CacheCore,
+        *,
+        device: torch.device,
+        threaded: bool,
+        cache_id: int,
+        ranges: RangeFn,
+        flush_log: RateLimit,
+        prefetch: bool,
+    ) -> None:
+        cuda = device.type == "cuda"
+        self.config = config
+        self.core = core
+        self.device = device
+        self.cuda = cuda
+        self.threaded = threaded
+        self.cache_id = cache_id
+        self.ranges = ranges
+        self.flush_log = flush_log
+        self.lock = threading.Lock()
+        self.signal = Signal()
+        self.reports: collections.deque[Report] = collections.deque()
+        # Test hooks at the fault points (`omni_cache_cuda._faults`); empty in normal use.
+        self.faults = Faults()
+        self.pool = HostPool(config.num_slots, pin=cuda, faults=self.faults)
+        self.pages = StagingPages(
+            config.staging_depth,
+            config.staging_capacity_tokens,
+            pin=cuda,
+            faults=self.faults,
+        )
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
+        self.read_stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
+        self.committer = Committer(
+            self.pool,
+            self.pages,
+            self.reports,
+            self.signal,
+            threaded=threaded,
+            copy_stream=self.copy_stream,
+            copy_chunk_bytes=config.copy_chunk_bytes,
+            cache_id=cache_id,
+            ranges=ranges,
+            faults=self.faults,
+        )
+        self.prefetcher = (
+            concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="omni-prefix-cache-prefetch"
+            )
+            if prefetch
+            else None
+        )
+        # The tables, under ``lock``: registered writes by tid, saved steps' contexts, and the
+        # records of planned hit reads.
+        self.jobs: dict[Tid, WriteJob] = {}
+        self.steps: dict[StepId, StepContext] = {}
+        self.reads: dict[int, ReadRecord] = {}
+        # Records the last start created for its hits' prefetches; the save drops those it does
+        # not plan (keys the step does not emit, hits outside the layout), or they would leak.
+        self.start_reads: set[int] = set()
+        # Counters `stats` reports that the core does not keep.
+        self.page_waits = 0
+        self.page_wait_ns = 0
+        self.bytes_d2h = 0
+        self.closed = False
+
+    def wait_for_signal(self, seen: int, deadline_ns: int) -> None:
+        """Block until the signal moves past ``seen`` or ``deadline_ns`` passes (no lock held)."""
+        remaining = (deadline_ns - time.monotonic_ns()) / 1e9
+        self.signal.wait(seen, max(remaining, 0.0) + 1e-4)
+
+    def drain(self, *, raise_fatal: bool = True) -> None:
+        """Feed the committer's reports into the core, then raise a sticky failure (FAIL-1).
+
+        Called under the state lock at every public entry; `stats` drains without raising.
+        """
+        reports = self.reports
+        core = self.core
+        while reports:
+            report = reports.popleft()
+            core.report(report)
+            if isinstance(report, (WriteLanded, WriteFailed)):
+                self.jobs.pop(report.tid, None)
+        fatal = core.fatal
+        # FAIL-4 over FAIL-1: a cache shut down after a failure says it is shut down; the core
+        # input that follows every raising drain raises that.
+        if fatal is not None and raise_fatal and not core.closed:
+            raise type(fatal)(tids=fatal.tids, reason=fatal.reason)
+
+    def refuse_if_unusable(self, operation: str) -> None:
+        """Raise `ShutDownError` or the sticky `WriteFailedError` when the cache has either."""
+        with self.lock:
+            if self.core.closed:
+                raise ShutDownError(operation=operation)
+            self.drain()
+
+    def record(self, read_id: int) -> ReadRecord:
+        """The record of a planned read, created on first use (under the state lock)."""
+        record = self.reads.get(read_id)
+        if record is None:
+            record = self.reads[read_id] = ReadRecord()
+        return record
+
+    def close_records(self, read_ids: Iterable[int]) -> None:
+        """Forget the records of reads no step will consume (under the state lock)."""
+        for read_id in read_ids:
+            record = self.reads.pop(read_id, None)
+            if record is not None:
+                with record.lock:
+                    record.closed = True
+
+    def forget_step(self, step_id: StepId) -> StepContext:
+        """Drop a consumed step's context and its reads' records (under the state lock)."""
+        ctx = self.steps.pop(step_id, None)
+        if ctx is None:  # shutdown dropped every step context
+            return StepContext()
+        self.close_records(ctx.read_ids)
+        return ctx
