@@ -100,7 +100,7 @@ def main() -> int:
         f"{'x raw':>6} {'save ms':>8} {'save cpu':>8} {'mat ms':>7} {'pool ms':>8}"
     )
     with OmniPrefixCacheManager(config, device=device, threaded=True) as m:
-        copy_stream = m._copy_stream
+        copy_stream = m._state.copy_stream
         assert copy_stream is not None or not cuda
         written = 0
         prev: list[str] = []

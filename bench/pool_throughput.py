@@ -3,7 +3,7 @@
 Both run through the library's own code paths on a manager's real pool and pages:
 - write: `Committer._write_pool` of one step write (page rows `index_copy_`-ed into the pool at
   the step's slots), with no lost slot and with one lost slot (a tombstone, SLOT-2);
-- gather: `OmniPrefixCacheManager._gather` of one hit read whose rows are all committed
+- gather: the consume path's `ConsumePath.gather` of one hit read whose rows are all committed
   (`index_select` from the pool).
 Each is set against, in the same run on the same buffers: a plain contiguous `copy_` of the same
 bytes (the memory-speed reference; target ratio >= 0.8) and the bare torch op the path wraps
@@ -30,8 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from omni_cache_core import HIDDEN_KEY, ReqId, TensorName, Tid
-from omni_cache_core._values import ReadPlan, SlotSource
+from omni_cache_core import HIDDEN_KEY, ReadPlan, ReqId, SlotSource, TensorName, Tid
 from omni_cache_cuda import (
     OmniPrefixCacheManager,
     PrefixCacheConfig,
@@ -41,7 +40,7 @@ from omni_cache_cuda import (
     PrefixCacheWriteLayout,
 )
 from omni_cache_cuda._committer import WriteJob
-from omni_cache_cuda._manager import _StepContext
+from omni_cache_cuda._state import StepContext
 
 NUM_BLOCKS = 16384
 BLOCK_SIZE = 16
@@ -145,10 +144,10 @@ def main() -> None:
     table = Table()
     with OmniPrefixCacheManager(config, device="cpu", threaded=False) as m:
         install_keys(m)
-        committer = m._committer
+        committer = m._state.committer
         for key, width in WIDTHS.items():
-            pool = m._pool.tensors[key]
-            page = m._pages.buffers[key]
+            pool = m._state.pool.tensors[key]
+            page = m._state.pages.buffers[key]
             page.normal_()
             pool.normal_()
             label = f"{'hidden' if key == HIDDEN_KEY else key} w{width}"
@@ -194,18 +193,19 @@ def main() -> None:
                     step_row=np.full(rows, -1, dtype=np.int32),
                     preserved=np.zeros(rows, dtype=bool),
                 )
-                ctx = _StepContext()
+                ctx = StepContext()
                 got = torch.empty_like(src)
-                m._gather(got, read, None, ctx, {})
+                consume = m._consume
+                consume.gather(got, read, None, ctx, {})
                 assert torch.equal(got, pool[slots]), "the gather returned wrong rows"
                 gathered = torch.empty_like(src)
                 bare_gather = timeit(
                     lambda: torch.index_select(pool, 0, slots, out=gathered),  # noqa: B023
                     reps,
                 )
-                gather = timeit(lambda: m._gather(got, read, None, ctx, {}), reps)  # noqa: B023
+                gather = timeit(lambda: consume.gather(got, read, None, ctx, {}), reps)  # noqa: B023
                 table.line(
-                    f"hit gather (_gather) {label}",
+                    f"hit gather (gather) {label}",
                     rows,
                     nbytes,
                     gather,

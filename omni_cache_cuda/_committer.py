@@ -25,8 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_cache_core import TensorName, Tid
-from omni_cache_core._values import CopyLanded, CopyStarted, Report, WriteFailed, WriteLanded
+from omni_cache_core import (
+    CopyLanded,
+    CopyStarted,
+    Report,
+    TensorName,
+    Tid,
+    WriteFailed,
+    WriteLanded,
+)
 from omni_cache_cuda._faults import Faults
 from omni_cache_cuda._log import log
 from omni_cache_cuda._nvtx import RangeFn, no_ranges
@@ -388,7 +395,7 @@ class Committer:
                         hosts[i][key] = host[offset : offset + len(part)]
                         offset += len(part)
                     self.bytes_to_host += host.numel() * host.element_size()
-                done = torch.cuda.Event()
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
             self.faults.fire("host_ready", job)
             done.synchronize()

@@ -35,7 +35,7 @@ from omni_cache_core import (
 from omni_cache_cuda._committer import WriteJob
 from omni_cache_cuda._effects import EffectInterpreter
 from omni_cache_cuda._outputs import DeliveredPositions, StageCacheOutputs, split_leftover, unpin
-from omni_cache_cuda._state import AdapterState, ReadRecord, Seams, StepContext
+from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
 
 __all__ = ["ConsumePath"]
 
@@ -49,9 +49,8 @@ _THIS_STEP = SlotSource.THIS_STEP.value
 class ConsumePath:
     """Consumes saved steps, on any thread (`materialize`, `discard_step`; CONC-3)."""
 
-    def __init__(self, state: AdapterState, seams: Seams, effects: EffectInterpreter) -> None:
+    def __init__(self, state: AdapterState, effects: EffectInterpreter) -> None:
         self._state = state
-        self._seams = seams
         self._effects = effects
         self._pool = state.pool
         self._pages = state.pages
@@ -159,7 +158,7 @@ class ConsumePath:
                     hit = len(read.slots)
                     full = torch.empty((hit + len(tail), *tail.shape[1:]), dtype=tail.dtype)
                     flat = full.view(len(full), -1)
-                    self._seams._gather(flat[:hit], read, records.get(read.read_id), ctx, current)
+                    self.gather(flat[:hit], read, records.get(read.read_id), ctx, current)
                     # An explicit width: a request with 0 rows this step has an empty tail.
                     flat[hit:].copy_(tail.reshape(len(tail), flat.shape[1]))
                     out[req] = full
@@ -207,7 +206,7 @@ class ConsumePath:
             return torch.empty((0, *shape.features), dtype=shape.dtype)
         assert shape is not None
         out = torch.empty((len(read.slots), shape.width), dtype=shape.dtype)
-        self._seams._gather(out, read, records.get(read.read_id), ctx, current)
+        self.gather(out, read, records.get(read.read_id), ctx, current)
         return out.reshape(len(out), *shape.features)
 
     def gather(
@@ -227,7 +226,7 @@ class ConsumePath:
         with state.ranges("omni_cache.hit_gather"):
             try:
                 state.faults.fire("gather", read)
-                self._seams._gather_rows(out, read, record, ctx, current)
+                self.gather_rows(out, read, record, ctx, current)
             except OmniPrefixCacheUnmatchError:
                 raise
             except (Exception, concurrent.futures.CancelledError) as exc:

@@ -49,7 +49,7 @@ from omni_cache_core import (
 )
 from omni_cache_cuda._committer import Chunk, WriteJob
 from omni_cache_cuda._log import log
-from omni_cache_cuda._state import AdapterState, ReadRecord, Seams, StepContext
+from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
 
 __all__ = ["EffectInterpreter"]
 
@@ -64,9 +64,8 @@ _WAIT_RANGES = {
 class EffectInterpreter:
     """Feeds the core's step, save and consume inputs and executes the effects they return."""
 
-    def __init__(self, state: AdapterState, seams: Seams) -> None:
+    def __init__(self, state: AdapterState) -> None:
         self._state = state
-        self._seams = seams
 
     # -----------------------------------------------------------------------------------------
     # Step start.
@@ -180,7 +179,7 @@ class EffectInterpreter:
                 state.committer.escalate(jobs)  # BUDGET-2: a flush, outside the lock
                 continue
             with state.ranges(wait_range):
-                self._seams._wait(seen, deadline_ns)
+                state.wait_for_signal(seen, deadline_ns)
 
     def commit(
         self, ctx: StepContext, step_job: WriteJob | None, slots: torch.Tensor
@@ -296,7 +295,7 @@ class EffectInterpreter:
                 self._log_timeout(exc, step_id)
                 raise
             with state.ranges("omni_cache.wait.hit_join"):
-                self._seams._wait(seen, deadline_ns)
+                state.wait_for_signal(seen, deadline_ns)
 
     # -----------------------------------------------------------------------------------------
     # Log lines of the waits.

@@ -21,7 +21,7 @@ from omni_cache_core import (
     TensorName,
 )
 from omni_cache_cuda._log import log
-from omni_cache_cuda._state import AdapterState, Seams
+from omni_cache_cuda._state import AdapterState
 from omni_cache_cuda._stats import HostBytes
 from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
 
@@ -34,9 +34,8 @@ KeySpecs: TypeAlias = Mapping[str, tuple[int | Sequence[int], torch.dtype]]
 class HostMemory:
     """Plans, reserves and installs the cached keys' host storage (D20)."""
 
-    def __init__(self, state: AdapterState, seams: Seams) -> None:
+    def __init__(self, state: AdapterState) -> None:
         self._state = state
-        self._seams = seams
         self._pool = state.pool
         self._pages = state.pages
 
@@ -106,7 +105,7 @@ class HostMemory:
                     got="the hidden-state key",
                 )
             shape = KeyShape(tuple(features), dtype)
-            self._seams._check_first_shape(f"{operation} key {name!r}", TensorName(name), shape)
+            self.check_first_shape(f"{operation} key {name!r}", TensorName(name), shape)
             shapes[TensorName(name)] = shape
         return shapes
 
@@ -164,7 +163,7 @@ class HostMemory:
                     raise ShutDownError(operation="allocate host storage")
                 for key, shape in shapes.items():
                     # A reserve on another thread may have installed the key first (first wins).
-                    self._seams._check_first_shape(f"rows of cached key {key!r}", key, shape)
+                    self.check_first_shape(f"rows of cached key {key!r}", key, shape)
                 if tables:
                     try:
                         state.core.reserve_tables(shapes)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -37,25 +37,22 @@ from omni_cache_core import (
     ModelCachePolicy,
     PrefixCacheConfig,
     PrefixCacheStep,
-    Preserve,
-    ReadPlan,
     ShutDown,
     SlotSource,
     StepId,
-    TensorName,
 )
-from omni_cache_cuda._committer import Committer, WriteJob
+from omni_cache_cuda._committer import Committer
 from omni_cache_cuda._consume_path import ConsumePath
 from omni_cache_cuda._effects import EffectInterpreter
 from omni_cache_cuda._host_memory import HostMemory
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._log import BUDGET_FLUSH_LOG_INTERVAL_S, RateLimit, log, next_id
-from omni_cache_cuda._nvtx import ranges_for
-from omni_cache_cuda._outputs import Classified, StageCacheOutputs
+from omni_cache_cuda._nvtx import RangeFn, ranges_for
+from omni_cache_cuda._outputs import StageCacheOutputs
 from omni_cache_cuda._save_path import SavePath
-from omni_cache_cuda._state import AdapterState, ReadRecord, Seams, StepContext
+from omni_cache_cuda._state import AdapterState
 from omni_cache_cuda._stats import CacheStats, HostBytes
-from omni_cache_cuda._storage import KeyShape
+from omni_cache_cuda._storage import HostPool, StagingPages
 
 __all__ = ["OmniPrefixCacheManager"]
 
@@ -125,28 +122,11 @@ class OmniPrefixCacheManager:
             prefetch=prefetch,
         )
         self._state = state
-        # The paths reach the steps tests replace through this manager (`Seams`); a proxy, so
-        # the paths hold no reference that keeps a dropped manager alive.
-        seams = cast(Seams, weakref.proxy(self))
-        self._effects = EffectInterpreter(state, seams)
-        self._host_memory = HostMemory(state, seams)
-        self._save = SavePath(state, seams, self._effects, self._host_memory)
-        self._consume = ConsumePath(state, seams, self._effects)
-        # The shared objects under the names tests, benchmarks and the testing machine read;
-        # the state never rebinds them.
-        self._core = state.core
-        self._pool = state.pool
-        self._pages = state.pages
-        self._committer = state.committer
-        self._copy_stream = state.copy_stream
-        self._prefetcher = state.prefetcher
-        self._jobs = state.jobs
-        self._steps = state.steps
-        self._reads = state.reads
-        self._cuda = state.cuda
-        self._id = state.cache_id
-        self._range = state.ranges
-        self._flush_log = state.flush_log
+        # The paths hold the state, never the manager: a dropped manager is collected at once.
+        self._effects = EffectInterpreter(state)
+        self._host_memory = HostMemory(state)
+        self._save = SavePath(state, self._effects, self._host_memory)
+        self._consume = ConsumePath(state, self._effects)
         # A manager dropped without shutdown() still stops its threads.
         weakref.finalize(self, Committer.shutdown, state.committer, 0.0)
 
@@ -162,7 +142,7 @@ class OmniPrefixCacheManager:
     @property
     def policy(self) -> ModelCachePolicy:
         """The model's cache policy."""
-        return self._core.policy
+        return self._state.core.policy
 
     def register_policy(self, policy: ModelCachePolicy) -> None:
         """Set the model's cache policy; once, before the first step. Does not block.
@@ -174,8 +154,9 @@ class OmniPrefixCacheManager:
             raise BadInputError(
                 what="policy", expected="a ModelCachePolicy", got=type(policy).__name__
             )
-        with self._lock:
-            self._core.register_policy(policy)
+        state = self._state
+        with state.lock:
+            state.core.register_policy(policy)
 
     def shutdown(self) -> None:
         """Close the cache: wake every waiter with an error, stop the threads (FAIL-4).
@@ -366,13 +347,6 @@ class OmniPrefixCacheManager:
     # -----------------------------------------------------------------------------------------
     # Reports and stats.
 
-    def _drain(self, *, raise_fatal: bool = True) -> None:
-        """Feed the committer's reports into the core, then raise a sticky failure (FAIL-1).
-
-        Call under the state lock; `AdapterState.drain` does the work.
-        """
-        self._state.drain(raise_fatal=raise_fatal)
-
     def stats(self) -> CacheStats:
         """Return a frozen snapshot of the counters. Does not block on writes.
 
@@ -412,64 +386,34 @@ class OmniPrefixCacheManager:
             )
 
     # -----------------------------------------------------------------------------------------
-    # Seams (not public API): steps tests replace on a live manager or on this class. The paths
-    # call them through the manager (`_state.Seams`); each runs the path's own code.
+    # Read-only views of the shared state (not public API), under the names some tests read.
 
     @property
-    def _lock(self) -> Any:
-        """The state lock (CONC-1); a test may replace it with a recording lock before any work."""
-        return self._state.lock
+    def _core(self) -> CacheCore:
+        """The core (`AdapterState.core`)."""
+        return self._state.core
 
-    @_lock.setter
-    def _lock(self, lock: Any) -> None:
-        self._state.lock = lock
+    @property
+    def _pool(self) -> HostPool:
+        """The host pool (`AdapterState.pool`)."""
+        return self._state.pool
 
-    def _wait(self, seen: int, deadline_ns: int) -> None:
-        """Wait for the signal to move past ``seen``, or ``deadline_ns``, outside the lock."""
-        self._state.wait_for_signal(seen, deadline_ns)
+    @property
+    def _pages(self) -> StagingPages:
+        """The staging pages (`AdapterState.pages`)."""
+        return self._state.pages
 
-    def _preserve(self, record: ReadRecord, effect: Preserve) -> None:
-        """Copy pool rows into a read before a newer write overwrites them (HIT-6)."""
-        self._effects.preserve_rows(record, effect)
+    @property
+    def _id(self) -> int:
+        """The id this manager's log lines carry (`AdapterState.cache_id`)."""
+        return self._state.cache_id
 
-    def _check_first_shape(self, what: str, key: TensorName, shape: KeyShape) -> None:
-        """A key keeps the row shape and dtype it was first installed with (FAIL-5)."""
-        self._host_memory.check_first_shape(what, key, shape)
+    @property
+    def _range(self) -> RangeFn:
+        """The NVTX range function (`AdapterState.ranges`)."""
+        return self._state.ranges
 
-    def _stage(
-        self,
-        parts: Classified,
-        n: int,
-        page: int,
-        layout: PrefixCacheWriteLayout,
-        slot_ids: torch.Tensor,
-    ) -> tuple[StepContext, WriteJob | None]:
-        """Copy the step's rows into its page and take its clones and leftover snapshot."""
-        return self._save.stage(parts, n, page, layout, slot_ids)
-
-    def _gather(
-        self,
-        out: torch.Tensor,
-        read: ReadPlan,
-        record: ReadRecord | None,
-        ctx: StepContext,
-        current: Mapping[TensorName, torch.Tensor],
-    ) -> None:
-        """Fill ``out`` from the sources the core planned, or raise `HitUnreadableError`."""
-        self._consume.gather(out, read, record, ctx, current)
-
-    def _gather_rows(
-        self,
-        out: torch.Tensor,
-        read: ReadPlan,
-        record: ReadRecord | None,
-        ctx: StepContext,
-        current: Mapping[TensorName, torch.Tensor],
-    ) -> None:
-        """Gather each hit row from its planned source, then the preserved rows over them."""
-        self._consume.gather_rows(out, read, record, ctx, current)
-
-
-#: The former names of the step records (`bench/pool_throughput.py` builds a step context).
-_StepContext = StepContext
-_ReadRecord = ReadRecord
+    @property
+    def _flush_log(self) -> RateLimit:
+        """The rate limit of the budget-flush log line (`AdapterState.flush_log`)."""
+        return self._state.flush_log

@@ -34,7 +34,7 @@ from omni_cache_cuda._effects import EffectInterpreter
 from omni_cache_cuda._host_memory import HostMemory
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._outputs import Classified, classify, snapshot_leftover
-from omni_cache_cuda._state import AdapterState, Seams, StepContext
+from omni_cache_cuda._state import AdapterState, StepContext
 from omni_cache_cuda._storage import KeyShape
 
 __all__ = ["SavePath"]
@@ -46,12 +46,10 @@ class SavePath:
     def __init__(
         self,
         state: AdapterState,
-        seams: Seams,
         effects: EffectInterpreter,
         host_memory: HostMemory,
     ) -> None:
         self._state = state
-        self._seams = seams
         self._effects = effects
         self._host_memory = host_memory
         self._pool = state.pool
@@ -129,7 +127,7 @@ class SavePath:
         try:
             page = self._effects.proceed()
             self._host_memory.install_keys(shapes, set(parts.immediate))
-            ctx, step_job = self._seams._stage(parts, n, page, write_layout, slot_ids)
+            ctx, step_job = self.stage(parts, n, page, write_layout, slot_ids)
             step_id, preserves = self._effects.commit(ctx, step_job, slot_ids)
         except BaseException:
             with state.lock:
@@ -138,7 +136,7 @@ class SavePath:
             raise
         # HIT-6: preserve rows older reads planned on before the new write can land.
         for record, effect in preserves:
-            self._seams._preserve(record, effect)
+            self._effects.preserve_rows(record, effect)
         if step_job is not None:
             state.committer.submit(step_job)
             if not state.threaded:

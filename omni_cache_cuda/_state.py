@@ -5,10 +5,9 @@ the effect interpreter (`_effects`), the save path (`_save_path`), the consume p
 (`_consume_path`) and the host storage (`_host_memory`). Everything those paths both read or
 write lives here, named; nothing else is shared between them.
 
-Seams: a few steps are replaced by tests on a live manager or on its class, under the names
-they have there (`Seams`). The paths call those steps through the manager (a weak proxy, so a
-dropped manager is still collected at once), and the manager's methods of those names run the
-paths' own code.
+The paths call one another's steps through the objects that own them (``self.stage``,
+``state.wait_for_signal``, ...), never through the manager, so a test that replaces a step on a
+path object or on its class changes what the real path does.
 
 Locking (CONC-1, CONC-2): ``lock`` guards the core and the tables (``jobs``, ``steps``,
 ``reads``, ``start_reads``) and is held only for table work. A `ReadRecord` has its own lock,
@@ -21,8 +20,8 @@ import collections
 import concurrent.futures
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,8 +29,6 @@ import torch
 from omni_cache_core import (
     CacheCore,
     PrefixCacheConfig,
-    Preserve,
-    ReadPlan,
     Report,
     ShutDownError,
     StepId,
@@ -42,13 +39,11 @@ from omni_cache_core import (
 )
 from omni_cache_cuda._committer import Committer, Signal, WriteJob
 from omni_cache_cuda._faults import Faults
-from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._log import RateLimit
 from omni_cache_cuda._nvtx import RangeFn
-from omni_cache_cuda._outputs import Classified
 from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
 
-__all__ = ["AdapterState", "ReadRecord", "Seams", "StepContext"]
+__all__ = ["AdapterState", "ReadRecord", "StepContext"]
 
 
 class ReadRecord:
@@ -97,59 +92,12 @@ class StepContext:
         self.task_jobs: dict[Tid, WriteJob] = {}
 
 
-class Seams(Protocol):
-    """The steps tests replace on a live manager or its class, by their names there.
-
-    `OmniPrefixCacheManager` provides them; each runs the code of the path named.
-    """
-
-    def _wait(self, seen: int, deadline_ns: int) -> None:
-        """`AdapterState.wait_for_signal`: the wait of the save and consume loops."""
-
-    def _preserve(self, record: ReadRecord, effect: Preserve) -> None:
-        """`EffectInterpreter.preserve_rows`: a delayed read's copy-on-write (HIT-6)."""
-
-    def _check_first_shape(self, what: str, key: TensorName, shape: KeyShape) -> None:
-        """`HostMemory.check_first_shape`: a key keeps its first row shape (FAIL-5)."""
-
-    def _stage(
-        self,
-        parts: Classified,
-        n: int,
-        page: int,
-        layout: PrefixCacheWriteLayout,
-        slot_ids: torch.Tensor,
-    ) -> tuple[StepContext, WriteJob | None]:
-        """`SavePath.stage`: the page copy, clones and leftover snapshot of a save."""
-        ...
-
-    def _gather(
-        self,
-        out: torch.Tensor,
-        read: ReadPlan,
-        record: ReadRecord | None,
-        ctx: StepContext,
-        current: Mapping[TensorName, torch.Tensor],
-    ) -> None:
-        """`ConsumePath.gather`: one hit read's rows, or `HitUnreadableError` (HIT-3, D19)."""
-
-    def _gather_rows(
-        self,
-        out: torch.Tensor,
-        read: ReadPlan,
-        record: ReadRecord | None,
-        ctx: StepContext,
-        current: Mapping[TensorName, torch.Tensor],
-    ) -> None:
-        """`ConsumePath.gather_rows`: the rows from their planned sources (HIT-3, HIT-6)."""
-
-
 class AdapterState:
     """What the adapter's paths share: the core, its lock, the storage, threads and tables.
 
-    The objects set at construction are never rebound (the manager exposes some of them under
-    its own private names), except ``lock``, which a test may replace with a recording lock
-    before any work; the tables are emptied in place at shutdown.
+    The objects set at construction are never rebound, except ``lock``, which a test may
+    replace with a recording lock before any work (the paths read ``state.lock`` at each use);
+    the tables are emptied in place at shutdown.
     """
 
     def __init__(

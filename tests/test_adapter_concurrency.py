@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from omni_cache_core import TensorName, Tid
-from omni_cache_core._values import WriteFailed, WriteLanded
+from omni_cache_core import TensorName, Tid, WriteFailed, WriteLanded
 from omni_cache_cuda import (
     OmniPrefixCacheManager,
     StepAlreadyConsumedError,
@@ -79,7 +78,7 @@ def _count_internal_paths(
 ) -> Counter[str]:
     """Count copy-on-write preserves and tombstones, leaving their behaviour unchanged."""
     seen: Counter[str] = Counter()
-    preserve = manager._preserve
+    preserve = manager._effects.preserve_rows
     add_tombstone = WriteJob.add_tombstone
 
     def counted_preserve(record: Any, effect: Any) -> None:
@@ -90,7 +89,7 @@ def _count_internal_paths(
         seen["tombstone"] += 1
         add_tombstone(job, key, slots)
 
-    monkeypatch.setattr(manager, "_preserve", counted_preserve)
+    monkeypatch.setattr(manager._effects, "preserve_rows", counted_preserve)
     monkeypatch.setattr(WriteJob, "add_tombstone", counted_tombstone)
     return seen
 
@@ -129,7 +128,7 @@ def test_builder_thread_consumes_late(threaded: bool, monkeypatch: pytest.Monkey
     assert stats.steps_consumed + stats.steps_discarded == STEPS
     assert stats.pages_in_use == 0
     assert stats.writes_failed == 0
-    assert manager._reads == {}
+    assert manager._state.reads == {}
     # Every delivered row was compared with the recomputed value at its position (DLV-6), and
     # `_run` found no admission with a position delivered twice, out of order, or never
     # delivered though a materialized step carried it (DLV-2, DLV-4).
@@ -256,10 +255,10 @@ def test_committer_never_takes_the_state_lock_and_the_pool_has_one_writer(
     CONC-1: no thread writes the pool while it holds the state lock (inline writes run outside)."""
     manager = make_manager(threaded, **BUSY_CACHE)
     lock = _RecordingLock()
-    monkeypatch.setattr(manager, "_lock", lock)
+    monkeypatch.setattr(manager._state, "lock", lock)
     writers: Counter[str] = Counter()
     under_lock: list[int] = []
-    committer = manager._committer
+    committer = manager._state.committer
     write_pool = committer._write_pool
 
     def recorded_write_pool(job: WriteJob) -> None:
@@ -377,7 +376,7 @@ def test_a_fault_at_each_point_under_the_busy_workload(point: str) -> None:
     pinning = point == "pin"  # a CPU build cannot pin: the hook refuses first
 
     def arm(on: bool) -> None:
-        manager._pool.pin = manager._pages.pin = on and pinning
+        manager._state.pool.pin = manager._state.pages.pin = on and pinning
         manager._inject_fault(point, hook if on else None)
 
     # Storage is allocated at a key's first save; every other point is hit mid-run.
@@ -418,9 +417,9 @@ def test_a_fault_at_each_point_under_the_busy_workload(point: str) -> None:
         assert workload.failed_saves or len(workload.errors) == 1, workload.errors
         stats = settle(manager)
         assert stats.pages_in_use == 0 and stats.writes_failed == 0
-        with manager._lock:
-            manager._core.check_invariants()
+        with manager._state.lock:
+            manager._state.core.check_invariants()
         assert workload.counts.materialized > 50
     manager.shutdown()
     assert not library_threads(), library_threads()
-    assert not manager._pool.tensors and not manager._jobs and not manager._steps
+    assert not manager._state.pool.tensors and not manager._state.jobs and not manager._state.steps

@@ -430,7 +430,7 @@ def test_dropped_hit_reads_leave_no_records(make: Make) -> None:
     engine.finish("d", abort=True)
     engine.begin({"a": 1})
     engine.materialize(engine.save())
-    assert manager._reads == {}
+    assert manager._state.reads == {}
 
 
 def test_a_request_that_lost_its_hit_cannot_be_saved(make: Make) -> None:
@@ -673,7 +673,7 @@ def test_failed_save_leaves_no_trace(make: Make, monkeypatch: pytest.MonkeyPatch
     def broken_copy(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("copy into the page failed")
 
-    monkeypatch.setattr(manager, "_stage", broken_copy)
+    monkeypatch.setattr(manager._save, "stage", broken_copy)
     engine.begin({"a": 4})
     with pytest.raises(RuntimeError, match="copy into the page failed"):
         engine.save()
@@ -893,7 +893,7 @@ def test_oracle_detects_a_stale_row(make: Make) -> None:
     engine.start("a", [0, 1, 2])
     engine.materialize(engine.step({"a": 8}))
     engine.materialize(engine.step({"a": 1}, emit=()))
-    manager._pool.tensors[HIDDEN_KEY][5] += 1  # corrupt one committed row
+    manager._state.pool.tensors[HIDDEN_KEY][5] += 1  # corrupt one committed row
     engine.finish("a")
     engine.start("b", [0, 1, 3], hit_end=8)
     saved = engine.step({"b": 1})

@@ -42,8 +42,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, multiple, precondition, rule, run_state_machine_as_test
 
-from omni_cache_core import HIDDEN_KEY, ReqId, StepId, TensorName
-from omni_cache_core._values import PrefetchRead
+from omni_cache_core import HIDDEN_KEY, PrefetchRead, ReqId, StepId, TensorName
 from omni_cache_core.testing import (
     DEFERRED_KEY,
     MM_KEY,
@@ -75,6 +74,7 @@ from omni_cache_cuda import (
     StagingCopyError,
     WriteFailedError,
 )
+from omni_cache_cuda._save_path import SavePath
 from omni_cache_cuda.testing import TensorDriver, _decode
 from tests.reliability_helpers import OneShot
 
@@ -177,7 +177,7 @@ class FaultyAdapterMachine(ThreadedAdapterMachine):
             self._usable()
             and self.phase == "start"
             and self.unreadable_step is None
-            and self.sut.manager._prefetcher is not None
+            and self.sut.manager._state.prefetcher is not None
         )
     )
     @rule(target=ThreadedAdapterMachine.steps, data=st.data())
@@ -193,7 +193,7 @@ class FaultyAdapterMachine(ThreadedAdapterMachine):
         try:
             self._start_step(data)
             # The prefetch worker is one thread: a no-op behind the gathers waits for them.
-            self.sut.manager._prefetcher.submit(lambda: None).result(timeout=WAIT_S * 500)
+            self.sut.manager._state.prefetcher.submit(lambda: None).result(timeout=WAIT_S * 500)
         finally:
             self._inject("prefetch", on=False)
         if not hook.fired:
@@ -292,11 +292,11 @@ class FaultyAdapterMachine(ThreadedAdapterMachine):
         changes nothing; the keys the cache has stay in use (D20)."""
         manager = self.sut.manager
         before = self._quiet_snapshot()
-        pool, pages = dict(manager._pool.tensors), dict(manager._pages.buffers)
+        pool, pages = dict(manager._state.pool.tensors), dict(manager._state.pages.buffers)
         # A CPU build cannot pin: the storage is marked for pinning as on CUDA, and the hook
         # refuses the first pin before any pinning is tried.
         pinning = point == "pin"
-        manager._pool.pin = manager._pages.pin = pinning
+        manager._state.pool.pin = manager._state.pages.pin = pinning
         self._inject(point, skip=0 if pinning else skip)
         try:
             self._expect(
@@ -308,8 +308,8 @@ class FaultyAdapterMachine(ThreadedAdapterMachine):
             )
         finally:
             self._inject(point, on=False)
-            manager._pool.pin = manager._pages.pin = False
-        if manager._pool.tensors != pool or manager._pages.buffers != pages:
+            manager._state.pool.pin = manager._state.pages.pin = False
+        if manager._state.pool.tensors != pool or manager._state.pages.buffers != pages:
             raise ModelMismatch("a failed reserve kept storage")
         self._unchanged(before, "reserve (HostAllocationError)")
         self._show(f"fault: {point}")
@@ -437,10 +437,10 @@ def test_machine_catches_a_write_that_reads_the_live_slot_ids(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An adapter whose step write reads the engine's live slot-id buffer fails the machine."""
-    stage = OmniPrefixCacheManager._stage
+    stage = SavePath.stage
 
     def live_slots(
-        self: OmniPrefixCacheManager,
+        self: SavePath,
         parts: Any,
         n: int,
         page: int,
@@ -450,7 +450,7 @@ def test_machine_catches_a_write_that_reads_the_live_slot_ids(
         # STEP-3 broken on purpose: the write keeps the buffer the engine refills every step.
         return stage(self, parts, n, page, layout, layout.slots_cpu)
 
-    monkeypatch.setattr(OmniPrefixCacheManager, "_stage", live_slots)
+    monkeypatch.setattr(SavePath, "stage", live_slots)
     with pytest.raises(AssertionError, match="pool row of slot"):
         run_state_machine_as_test(
             ThreadedAdapterMachine,

@@ -48,7 +48,7 @@ def make(threaded: bool) -> Iterator[Make]:
     yield build
     for manager in made:
         manager.shutdown()
-        assert not manager._pool.tensors and not manager._pages.buffers, "storage kept"
+        assert not manager._state.pool.tensors and not manager._state.pages.buffers, "storage kept"
     assert not library_threads(), library_threads()
 
 
@@ -199,7 +199,7 @@ def test_gather_fault_fails_that_materialize_only(make: Make, point: str) -> Non
     stats = settle(manager)
     assert stats.pages_in_use == 0
     assert stats.writes_failed == 0
-    assert not manager._reads, "read records of the failed materialize kept"
+    assert not manager._state.reads, "read records of the failed materialize kept"
     # Nothing was delivered (D19): b's cursor is back at 0, so a resume hit serves its prefix.
     engine.preempt("b")
     manager.discard_step(bounded(lambda: engine.step({}, emit=(MM,))).step_id)
@@ -237,7 +237,7 @@ def test_no_prefetch_no_prefetch_fault(make: Make) -> None:
 def _tracked(manager: OmniPrefixCacheManager) -> list[weakref.ref[torch.Tensor]]:
     """Weak references to every host buffer the manager allocates from now on."""
     refs: list[weakref.ref[torch.Tensor]] = []
-    for storage in (manager._pool, manager._pages):
+    for storage in (manager._state.pool, manager._state.pages):
         allocate = storage.allocate
 
         def tracking(*args: Any, _allocate: Any = allocate) -> torch.Tensor:
@@ -287,23 +287,23 @@ def test_alloc_fault_at_reserve_keeps_the_keys_the_cache_had(make: Make) -> None
     """A failed reserve keeps nothing it allocated; the keys reserved before stay in use."""
     manager = make()
     manager.reserve({HIDDEN_KEY: (4, torch.float32)})
-    hidden_pool = manager._pool.tensors[HIDDEN_KEY]
+    hidden_pool = manager._state.pool.tensors[HIDDEN_KEY]
     refs = _tracked(manager)
     manager._inject_fault("alloc", OneShot(skip=2))
     with pytest.raises(HostAllocationError) as caught:
         manager.reserve({MM: (3, torch.float32), DEF: ((2, 2), torch.int64)})
     assert caught.value.key in (MM, DEF)
     assert len(refs) == 2 and all(ref() is None for ref in refs)
-    assert set(manager._pool.tensors) == set(manager._pages.buffers) == {HIDDEN_KEY}
-    assert manager._pool.tensors[HIDDEN_KEY] is hidden_pool
-    with manager._lock:
-        assert manager._core.installed_keys == ()
-        manager._core.check_invariants()
+    assert set(manager._state.pool.tensors) == set(manager._state.pages.buffers) == {HIDDEN_KEY}
+    assert manager._state.pool.tensors[HIDDEN_KEY] is hidden_pool
+    with manager._state.lock:
+        assert manager._state.core.installed_keys == ()
+        manager._state.core.check_invariants()
     manager._inject_fault("alloc", None)
     engine = Engine(manager)
     engine.start("a", [0, 1, 2])
     engine.materialize(bounded(lambda: engine.step({"a": 4})))  # MM and DEF allocated here
-    assert manager._pool.tensors[HIDDEN_KEY] is hidden_pool
+    assert manager._state.pool.tensors[HIDDEN_KEY] is hidden_pool
     usable(manager)
 
 
@@ -316,7 +316,7 @@ def test_refused_pin_keeps_nothing(make: Make, at: str) -> None:
     """
     manager = make()
     refs = _tracked(manager)
-    manager._pool.pin = manager._pages.pin = True
+    manager._state.pool.pin = manager._state.pages.pin = True
     hook = OneShot()
     manager._inject_fault("pin", hook)
     engine = Engine(manager)
@@ -332,7 +332,7 @@ def test_refused_pin_keeps_nothing(make: Make, at: str) -> None:
     assert all(ref() is None for ref in refs)
     stats = manager.stats()
     assert stats.pool_bytes == stats.staging_bytes == stats.host_pinned_bytes == 0
-    manager._pool.pin = manager._pages.pin = False
+    manager._state.pool.pin = manager._state.pages.pin = False
     manager._inject_fault("pin", None)
     if at == "save":
         engine.begin({"a": 4})

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from omni_cache_cuda import OmniPrefixCacheManager, soak
+from omni_cache_cuda._consume_path import ConsumePath
 from omni_cache_cuda._faults import FAULT_ERRORS
 from omni_cache_cuda._storage import HostPool
 
@@ -42,13 +43,13 @@ def test_the_soak_catches_a_wrong_row(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A hit row off by one fails the run with the row named."""
-    gather = OmniPrefixCacheManager._gather_rows
+    gather = ConsumePath.gather_rows
 
-    def off_by_one(self: OmniPrefixCacheManager, out: Any, *args: Any) -> None:
+    def off_by_one(self: ConsumePath, out: Any, *args: Any) -> None:
         gather(self, out, *args)
         out[-1:] += 1
 
-    monkeypatch.setattr(OmniPrefixCacheManager, "_gather_rows", off_by_one)
+    monkeypatch.setattr(ConsumePath, "gather_rows", off_by_one)
     status, out = _run(capsys)
     assert status == 1
     assert "  WRONG step" in out
@@ -83,15 +84,15 @@ def test_the_soak_catches_a_swallowed_fault(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A gather fault turned into zeros instead of an error fails the fault accounting."""
-    gather = OmniPrefixCacheManager._gather
+    gather = ConsumePath.gather
 
-    def swallow(self: OmniPrefixCacheManager, out: Any, *args: Any) -> None:
+    def swallow(self: ConsumePath, out: Any, *args: Any) -> None:
         try:
             gather(self, out, *args)
         except Exception:
             out.zero_()
 
-    monkeypatch.setattr(OmniPrefixCacheManager, "_gather", swallow)
+    monkeypatch.setattr(ConsumePath, "gather", swallow)
     status, out = _run(capsys)
     assert status == 1
     assert "no HitUnreadableError was seen" in out

@@ -383,21 +383,23 @@ def fault_episode(
     tally["episodes"] += 1
     expected = FAULT_ERRORS[kind]
     manager = _manager(options)
+    # The manager's shared state: the storage's pin flags, the state lock and the core.
+    state = manager._state
     hook = OneShot(0 if kind == "pin" else rng.randint(0, 1))
-    pinning = kind == "pin" and not manager._cuda
+    pinning = kind == "pin" and not state.cuda
     seen: list[BaseException] = []
 
     def arm() -> None:
         if pinning:
             # A CPU build cannot pin: the hook refuses before any pinning is tried.
-            manager._pool.pin = manager._pages.pin = True
+            state.pool.pin = state.pages.pin = True
         manager._inject_fault(kind, hook)
         tally["armed"] += 1
 
     def disarm() -> None:
         manager._inject_fault(kind, None)
         if pinning:
-            manager._pool.pin = manager._pages.pin = False
+            state.pool.pin = state.pages.pin = False
 
     at_reserve = kind in ("alloc", "pin") and rng.random() < 0.5
     if at_reserve:
@@ -410,8 +412,8 @@ def fault_episode(
             if stats.pool_bytes or stats.staging_bytes:
                 report.error(f"{kind} at reserve: storage kept after the failure: {stats}")
         disarm()
-        with manager._lock:
-            manager._core.check_invariants()
+        with state.lock:
+            state.core.check_invariants()
         if rng.random() < 0.5:
             manager.reserve(SHAPES)
     engine = SoakEngine(manager, report, watch, rng, lag=1)
@@ -453,8 +455,8 @@ def fault_episode(
     else:
         engine.drain()
         _settle(manager, report, f"{kind} episode")
-        with manager._lock:
-            manager._core.check_invariants()
+        with state.lock:
+            state.core.check_invariants()
     seen.extend(engine.builder.seen)
     tally["fired"] += hook.fired
     typed = [e for e in seen if isinstance(e, expected)]

@@ -682,8 +682,8 @@ def test_pool_and_pages_are_pinned_at_their_configured_size(
     ratio = pinned / configured
     print(f"pinned {pinned} B for pool {pool_bytes} B + pages {page_bytes} B: ratio {ratio:.4f}")
 
-    pools = manager._pool.tensors
-    pages = manager._pages.buffers
+    pools = manager._state.pool.tensors
+    pages = manager._state.pages.buffers
     assert set(pools) == {HIDDEN_KEY, TALKER, CODES}
     assert set(pages) == {HIDDEN_KEY, TALKER}, "a deferred key has no staging pages"
     for key, tensor in {**pools, **{f"page {k}": v for k, v in pages.items()}}.items():
