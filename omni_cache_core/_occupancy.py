@@ -8,9 +8,9 @@ read is: a claim reports the owners it displaced, and the caller tombstones them
 
 from __future__ import annotations
 
-from collections.abc import Iterable, KeysView, Mapping
+from collections.abc import Container, Iterable, KeysView, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -19,7 +19,7 @@ from omni_cache_core._contract import TensorName
 from omni_cache_core._errors import InvariantError
 from omni_cache_core._values import SlotArray
 
-__all__ = ["ABSENT", "COMMITTED", "UNKNOWN", "OccupancyTable", "SlotTables", "any_true"]
+__all__ = ["ABSENT", "COMMITTED", "UNKNOWN", "OccupancyTable", "SlotTables", "any_true", "concat"]
 
 #: Owner codes. A positive owner is the tid of the write that holds the slot (IN_TRANSIT).
 COMMITTED = 0
@@ -32,6 +32,16 @@ UNKNOWN = -2
 # every slot it takes, with no read first.
 _LOW: int = 0xFFFF_FFFF
 _OWNER_WORD = 0 if np.little_endian else 1
+
+
+_EMPTY_SLOTS: Final = np.zeros(0, dtype=np.int64)
+
+
+def concat(chunks: list[SlotArray]) -> SlotArray:
+    """The chunks of one key's slots as one array."""
+    if not chunks:
+        return _EMPTY_SLOTS
+    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
 
 
 def any_true(mask: npt.NDArray[np.bool_]) -> bool:
@@ -171,7 +181,7 @@ class SlotTables:
         num_slots: Slots per table.
     """
 
-    __slots__ = ("_spare", "by_key", "num_slots")
+    __slots__ = ("_allocated", "_spare", "by_key", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -180,6 +190,7 @@ class SlotTables:
         self.by_key: dict[TensorName, OccupancyTable] = {}
         #: Tables allocated ahead of a key's first save: an allocation cache, not state.
         self._spare: dict[TensorName, OccupancyTable] = {}
+        self._allocated = 0
 
     @property
     def tables(self) -> Mapping[TensorName, OccupancyTable]:
@@ -190,6 +201,11 @@ class SlotTables:
     def spare(self) -> Mapping[TensorName, OccupancyTable]:
         """The spare tables by key (a read-only view)."""
         return MappingProxyType(self._spare)
+
+    @property
+    def allocated(self) -> int:
+        """How many tables were allocated so far, in use or spare (an allocation count)."""
+        return self._allocated
 
     def seen_keys(self) -> KeysView[TensorName]:
         """The cached keys seen so far, first seen first."""
@@ -211,13 +227,42 @@ class SlotTables:
             if key not in self.by_key and key not in self._spare
         }
         self._spare.update(new)
+        self._allocated += len(new)
 
     def install(self, keys: Iterable[TensorName]) -> None:
         """Give each key not seen yet its table: its spare one, or a new one."""
         for key in keys:
             if key not in self.by_key:
                 spare = self._spare.pop(key, None)
-                self.by_key[key] = spare if spare is not None else OccupancyTable(self.num_slots)
+                if spare is None:
+                    spare = OccupancyTable(self.num_slots)
+                    self._allocated += 1
+                self.by_key[key] = spare
+
+    def commit_write(
+        self,
+        tid: int,
+        slots: Mapping[TensorName, list[SlotArray]],
+        lost_keys: Container[TensorName],
+    ) -> None:
+        """SLOT-3: a landed write's slots, per key, become COMMITTED where it still owns them.
+
+        `lost_keys`: the keys the write lost slots of. A slot leaves a write only through a
+        claim or an absence, which tombstone it (SLOT-2): for any other key the write still
+        owns every slot it claimed, and they are marked without looking.
+        """
+        tables = self.by_key
+        for key, chunks in slots.items():
+            claimed = chunks[0] if len(chunks) == 1 else concat(chunks)
+            if key in lost_keys:
+                tables[key].commit(tid, claimed)
+            else:
+                tables[key].owner[claimed] = COMMITTED
+
+    def forget_write(self, tid: int, slots: Mapping[TensorName, list[SlotArray]]) -> None:
+        """A failed write's slots, per key, become ABSENT where it still owns them."""
+        for key, chunks in slots.items():
+            self.by_key[key].forget(tid, concat(chunks))
 
     def owners_at(
         self, key: TensorName, slots: SlotArray

@@ -73,12 +73,25 @@ class PageHolders:
         """Whether the holder `(kind, ident)` holds `page`."""
         return (kind, ident) in self._pages[page]
 
-    def free_page(self) -> int | None:
-        """The lowest page with no holder, or None (PAGE-2)."""
+    def claim_free(self, kind: HolderKind, ident: int = 0) -> int | None:
+        """Hold the lowest page with no holder for `(kind, ident)`; None if none is free (PAGE-2)."""
         for page, holders in enumerate(self._pages):
             if not holders:
+                holders.add((kind, ident))
                 return page
         return None
+
+    def publish(self, page: int, step_id: int, tid: int | None) -> None:
+        """A commit: the save lets go of `page`, which its step and its step write now hold.
+
+        One call for the three moves of every commit (PAGE-3: the write holds the page before
+        the commit returns, so before the write is visible).
+        """
+        holders = self._pages[page]
+        holders.discard((HolderKind.SAVE, 0))
+        holders.add((HolderKind.STEP, step_id))
+        if tid is not None:
+            holders.add((HolderKind.TASK, tid))
 
     @property
     def in_use(self) -> int:

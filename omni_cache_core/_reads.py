@@ -208,8 +208,9 @@ class HitReads:
 
     def on_start(self) -> None:
         """D10: a new step starts, so the last start's hits that no save followed are lost."""
-        self._lost_hits |= self._start_hits.keys()
-        self.clear_start_hits()
+        if self._start_hits:
+            self._lost_hits |= self._start_hits.keys()
+            self.clear_start_hits()
 
     def forget_request(self, req_id: ReqId) -> None:
         """The request ended or was preempted: it may be saved again after its next start."""
@@ -341,15 +342,37 @@ class HitReads:
         tables: SlotTables,
         deferred_keys: frozenset[TensorName],
         chunks_of: Callable[[Tid], int | None],
-    ) -> None:
+        own_first: npt.NDArray[np.int64],
+    ) -> npt.NDArray[np.int64]:
         """Plan the hits of this save's requests against the post-claim state (D4).
 
         All hit slots of the step are planned together, one gather per key, and each read gets
         its slice: a prefill with many hits costs a few numpy calls per key, not per read.
+
+        Returns each request's first position in the step (DLV-1, DLV-3): `own_first`, its own
+        rows' first, except that a request with a hit carries the hit rows before them. The
+        start's hits are planned then, and forgotten.
         """
+        if not self._start_hits:
+            return own_first
+        self._plan(step_id, sv, keys, step_tid, tables, deferred_keys, chunks_of)
+        lo = own_first.copy()
+        for req_id in self._start_hits:
+            lo[sv.req_ids.index(req_id)] = self._start_hit_lo.get(req_id, 0)
+        self.clear_start_hits()
+        return lo
+
+    def _plan(
+        self,
+        step_id: StepId,
+        sv: SaveBegin,
+        keys: tuple[TensorName, ...],
+        step_tid: Tid | None,
+        tables: SlotTables,
+        deferred_keys: frozenset[TensorName],
+        chunks_of: Callable[[Tid], int | None],
+    ) -> None:
         hits = list(self._start_hits.items())  # save_begin checked they are all in the layout
-        if not hits:
-            return
         every, bounds = self._start_hit_slots
         owners = {key: tables.owners_at(key, every) for key in keys}
         # HIT-5: a producer of this very step wins over any older tenant. The step write just
@@ -428,17 +451,6 @@ class HitReads:
                 reads[req_id].append(read)
         self._by_step[step_id] = reads
         self._hit_rows[step_id] = hit_rows
-
-    def step_positions(
-        self, req_ids: tuple[ReqId, ...], own: npt.NDArray[np.int64]
-    ) -> npt.NDArray[np.int64]:
-        """DLV-1, DLV-3: each request's first position; a hit's rows come before its own."""
-        if not self._start_hits:
-            return own
-        lo = own.copy()
-        for req_id in self._start_hits:
-            lo[req_ids.index(req_id)] = self._start_hit_lo.get(req_id, 0)
-        return lo
 
     # -----------------------------------------------------------------------------------------
     # Consumes.

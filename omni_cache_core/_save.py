@@ -67,7 +67,6 @@ __all__ = [
     "SavePhase",
     "check_save_shape",
     "check_save_sizes",
-    "task_ids_needed",
 ]
 
 
@@ -111,6 +110,13 @@ _SAVE_MOVES: Final[dict[tuple[SavePhase, SaveOutcome], SavePhase]] = {
     (_P.PAGE, _O.WAIT): _P.PAGE,
     (_P.PAGE, _O.CLAIMED): _P.READY,
 }
+
+# The phase each waiting phase passes on to, read from the table once (a pair missing from it
+# fails at import): a save that waits for nothing passes all three in one input, and these
+# moves need no lookup then.
+_AFTER_BARRIER: Final = _SAVE_MOVES[(_P.BARRIER, _O.CLEAR)]
+_AFTER_BUDGET: Final = _SAVE_MOVES[(_P.BUDGET, _O.ADMITTED)]
+_AFTER_PAGE: Final = _SAVE_MOVES[(_P.PAGE, _O.CLAIMED)]
 
 # (immediate keys, deferred keys, has rows): what `KeySets.check` validates.
 _KeySignature = tuple[tuple[TensorName, ...], tuple[TensorName, ...], bool]
@@ -181,11 +187,6 @@ class SaveInProgress:
         """The bytes the save in progress reserved (0 without one)."""
         return self.pending.charged if self.pending is not None else 0
 
-    def refuse_if_pending(self, what: str, expected: str) -> None:
-        """Raise `BadInputError` naming `what` if a save is in progress (one at a time)."""
-        if self.pending is not None:
-            raise BadInputError(what=what, expected=expected, got="a save in progress")
-
     def begin(self, save: PendingSave) -> None:
         """Open a validated save."""
         self.pending = save
@@ -200,21 +201,24 @@ class SaveInProgress:
             raise BadInputError(what="save", expected="a save in progress", got="none")
         return self.pending
 
-    def take_ready(self) -> PendingSave:
-        """Close the READY save for its commit and hand it over.
+    def take_ready(self) -> tuple[PendingSave, int]:
+        """Close the READY save for its commit and hand it over, with its page.
 
         Raises:
             BadInputError: No save, or its page is not claimed yet; nothing changes.
         """
-        save = self.require()
-        if save.phase is not SavePhase.READY or save.page is None:
+        save = self.pending
+        if save is None:
+            save = self.require()  # raises
+        page = save.page
+        if save.phase is not SavePhase.READY or page is None:
             raise BadInputError(
                 what="save commit",
                 expected="a claimed page",
                 got=f"phase {save.phase.name.lower()}",
             )
         self.pending = None
-        return save
+        return save, page
 
     def abort(self, tasks: WriteTasks, pages: PageHolders) -> None:
         """STEP-5: drop the save, its page claim and its reservation. Idempotent."""
@@ -268,7 +272,7 @@ class SaveInProgress:
             if waits:
                 save.move(SaveOutcome.WAIT)
                 return self._await(save, now, waits, "save barrier", tasks, counters)
-            save.move(SaveOutcome.CLEAR)
+            save.phase, save.deadline_ns = _AFTER_BARRIER, None  # D7: a deadline per phase
         if save.phase is SavePhase.BUDGET:
             flushing = save.flushing
             if flushing is not None and tasks.get(flushing) is not None:
@@ -278,7 +282,7 @@ class SaveInProgress:
                 waits = ((flushing, TaskState.WRITTEN),)
                 return self._await(save, now, waits, "budget flush", tasks, counters)
             need = save.inp.immediate_bytes + save.inp.deferred_bytes
-            victim = tasks.flush_victim() if tasks.over_budget(need) else None
+            victim = tasks.admit(need)
             if victim is not None:
                 save.flushing = victim.tid
                 if not victim.escalated:
@@ -292,10 +296,9 @@ class SaveInProgress:
             save.flushing = None
             # BUDGET-2: fits, or nothing left to flush: admitted (an oversized step must not hang).
             save.charged = need
-            tasks.reserve(need)
-            save.move(SaveOutcome.ADMITTED)
+            save.phase, save.deadline_ns = _AFTER_BUDGET, None
         if save.phase is SavePhase.PAGE:
-            free = pages.free_page()
+            free = pages.claim_free(HolderKind.SAVE)
             if free is None:
                 save.move(SaveOutcome.WAIT)
                 if save.deadline_ns is None:
@@ -308,9 +311,9 @@ class SaveInProgress:
                         tasks_in_flight=tasks.with_pages(),
                     )
                 return AwaitPage(deadline_ns=save.deadline_ns)
-            pages.hold(free, HolderKind.SAVE)
             save.page = free
-            save.move(SaveOutcome.CLAIMED)
+            save.phase, save.deadline_ns = _AFTER_PAGE, None
+            return PageClaimed(page=free)
         assert save.page is not None
         return PageClaimed(page=save.page)
 
@@ -416,19 +419,6 @@ def check_save_sizes(inp: SaveBegin, capacity_tokens: int) -> None:
         raise OversizeStepError(rows=inp.num_tokens, capacity=capacity_tokens)
     if inp.immediate_bytes < 0 or inp.deferred_bytes < 0:
         raise BadInputError(what="clone bytes", expected=">= 0", got="a negative count")
-
-
-def task_ids_needed(inp: SaveBegin) -> int:
-    """D3: the task ids a save may take: its step write, one deferred write per request with rows.
-
-    Owners are int32, so task ids stop at 2**31 - 1; the save is refused at its begin if they
-    would run out.
-    """
-    n = inp.num_tokens
-    needed = 1 if n and inp.immediate_keys else 0
-    if n and inp.deferred_keys:
-        needed += int((inp.row_bounds[1:] > inp.row_bounds[:-1]).sum())
-    return needed
 
 
 class KeySets:

@@ -36,20 +36,19 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from omni_cache_core._contract import ReqId, StepId, TensorName, Tid, WriteSchedule
 from omni_cache_core._errors import IllegalTransitionError, InvariantError
+from omni_cache_core._occupancy import concat
 from omni_cache_core._values import DeferredChunk, Effect, SaveBegin, SlotArray, TaskState
 
-__all__ = ["MAX_TID", "Task", "TaskMove", "WriteTasks"]
+__all__ = ["MAX_TID", "Task", "TaskClaims", "TaskMove", "WriteTasks", "task_ids_needed"]
 
 MAX_TID: Final = 2**31 - 1  # owner table is int32 (D3)
-
-_EMPTY_SLOTS: Final = np.zeros(0, dtype=np.int64)
 
 
 class TaskMove(enum.StrEnum):
@@ -83,11 +82,17 @@ _TASK_MOVES: Final[dict[tuple[TaskState, TaskMove], TaskState]] = {
 }
 
 
-def concat(chunks: list[SlotArray]) -> SlotArray:
-    """The chunks of one key's slots as one array."""
-    if not chunks:
-        return _EMPTY_SLOTS
-    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+def task_ids_needed(inp: SaveBegin) -> int:
+    """D3: the task ids a save may take: its step write, one deferred write per request with rows.
+
+    Owners are int32, so task ids stop at 2**31 - 1; the save is refused at its begin if they
+    would run out.
+    """
+    n = inp.num_tokens
+    needed = 1 if n and inp.immediate_keys else 0
+    if n and inp.deferred_keys:
+        needed += int((inp.row_bounds[1:] > inp.row_bounds[:-1]).sum())
+    return needed
 
 
 class Task:
@@ -136,6 +141,31 @@ class Task:
             if lost and np.isin(slots, np.concatenate(lost)).any():
                 return True
         return False
+
+
+class TaskClaims(NamedTuple):
+    """What a registered write claimed, as read-only copies (for tests and diagnostics)."""
+
+    #: How many chunks the write took (SLOT-5).
+    chunks: int
+    #: Its slot chunks per key, in append order.
+    slots: dict[TensorName, tuple[SlotArray, ...]]
+    #: The slots it lost per key, one array per claim or absence that took them (SLOT-2).
+    tombstones: dict[TensorName, tuple[SlotArray, ...]]
+
+
+def _frozen_copies(
+    chunks: dict[TensorName, list[SlotArray]],
+) -> dict[TensorName, tuple[SlotArray, ...]]:
+    copies: dict[TensorName, tuple[SlotArray, ...]] = {}
+    for key, arrays in chunks.items():
+        frozen = []
+        for array in arrays:
+            copy = array.copy()
+            copy.setflags(write=False)
+            frozen.append(copy)
+        copies[key] = tuple(frozen)
+    return copies
 
 
 class _Ticket:
@@ -222,6 +252,13 @@ class WriteTasks:
         task = self._tasks.get(tid)
         return task.chunks if task is not None else None
 
+    def claims_of(self, tid: Tid) -> TaskClaims | None:
+        """A registered task's chunks, slots and tombstones as copies, or None once it retired."""
+        task = self._tasks.get(tid)
+        if task is None:
+            return None
+        return TaskClaims(task.chunks, _frozen_copies(task.slots), _frozen_copies(task.tombstones))
+
     @property
     def budget_used(self) -> int:
         """Device clone bytes charged (BUDGET-1)."""
@@ -257,10 +294,6 @@ class WriteTasks:
         waits += [(tid, TaskState.HOST_READY) for tid in sorted(self._escalated)]
         return tuple(waits)
 
-    def over_budget(self, need: int) -> bool:
-        """Whether charging `need` more bytes passes the budget (BUDGET-2)."""
-        return self._budget_used + need > self._budget_bytes
-
     def flush_victim(self) -> Task | None:
         """The oldest unfinished write (BUDGET-2), or None.
 
@@ -273,12 +306,17 @@ class WriteTasks:
     # -----------------------------------------------------------------------------------------
     # Registration.
 
-    def check_tid_room(self, needed: int) -> None:
+    def check_tid_room(self, inp: SaveBegin) -> None:
         """D3, STEP-5: refuse a save that may need more task ids than int32 owners allow.
 
         Raises:
             InvariantError: The ids would run out; nothing changes.
         """
+        # A save takes at most one id per request plus its step write's: count them exactly
+        # only when that bound does not fit.
+        if self._next_tid + len(inp.req_ids) <= MAX_TID:
+            return
+        needed = task_ids_needed(inp)
         if self._next_tid - 1 + needed > MAX_TID:
             raise InvariantError(
                 f"write task ids exhausted (2**31 - 1): a save needing {needed} more cannot start"
@@ -291,8 +329,19 @@ class WriteTasks:
         self._next_tid += 1
         return tid
 
-    def register_step_write(self, step_id: StepId, page: int) -> Task:
-        """Register a step's write (D1), queued at once: it is dispatched with the commit."""
+    def register_step_write(
+        self,
+        step_id: StepId,
+        page: int,
+        keys: tuple[TensorName, ...],
+        slots: SlotArray,
+        nbytes: int,
+    ) -> Task:
+        """Register a step's write of `slots` for every immediate key (D1).
+
+        It is queued at once (it is dispatched with the commit) and, with `nbytes`, views a
+        ticket of that many reserved bytes (BUDGET-1).
+        """
         task = Task(
             self._new_tid(),
             WriteSchedule.JOIN_NEXT_STEP,
@@ -303,6 +352,10 @@ class WriteTasks:
         task.chunks = 1
         self._tasks[task.tid] = task
         self._unwritten_step_writes.add(task.tid)
+        for key in keys:
+            self.hold(task, key, slots)
+        if nbytes:
+            self.add_ticket(nbytes, {task.tid})
         return task
 
     def hold(self, task: Task, key: TensorName, slots: SlotArray) -> None:
@@ -358,10 +411,20 @@ class WriteTasks:
     # -----------------------------------------------------------------------------------------
     # Budget (BUDGET-1).
 
-    def reserve(self, nbytes: int) -> None:
-        """Charge the bytes a save was admitted with (BUDGET-2), before its clones exist."""
+    def admit(self, nbytes: int) -> Task | None:
+        """BUDGET-2: reserve a save's `nbytes` if they fit, or if nothing is left to flush.
+
+        Returns None once reserved (before the save's clones exist); otherwise the write to
+        flush first (`flush_victim`), with nothing reserved. An oversized save is admitted once
+        every write has gone, so it never hangs.
+        """
+        if self._budget_used + nbytes > self._budget_bytes:
+            victim = self.flush_victim()
+            if victim is not None:
+                return victim
         self._reserved += nbytes
         self._budget_used += nbytes
+        return None
 
     def unreserve(self, nbytes: int) -> None:
         """Give back reserved bytes: an aborted save, or a charge nothing was cloned for."""

@@ -349,12 +349,15 @@ def _owed(core: CacheCore, step_id: StepId) -> bool:
     A request's cursor moves when the step carries positions above it; an earlier step owes
     rows when it carries positions of the same admission at or above the cursor.
     """
-    step = core._steps[step_id]
+    # The explorer's own DLV-5 oracle reads the steps' admission entries and the cursors,
+    # which only the machines hold.
+    steps = core._saved.by_id
+    step = steps[step_id]
     cursor = core._requests.cursor
     for i, entry in enumerate(step.entries.tolist()):
         if step.hi[i] <= cursor[entry]:
             continue
-        for other in core._steps.values():
+        for other in steps.values():
             if other.step_id < step_id and not other.consuming:
                 for j, earlier in enumerate(other.entries.tolist()):
                     if earlier == entry and other.hi[j] > max(other.lo[j], cursor[entry]):

@@ -499,7 +499,8 @@ def test_slot_2_a_newer_claim_tombstones_the_in_flight_owner(make_core: MakeCore
     assert (tomb.tid, tomb.key, tomb.slots.tolist()) == (loser, DEF, [0, 1])
     assert core.presence(DEF, 0) == (winner, 2)
     assert core.presence(DEF, 2) == (loser, 1)
-    assert core._tasks[loser].tombstones[DEF][0].tolist() == [0, 1]
+    claims = core.task_claims(loser)
+    assert claims is not None and claims.tombstones[DEF][0].tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("y_owned_it", [False, True], ids=["fresh", "y-owned-it"])
@@ -577,8 +578,10 @@ def test_slot_5_a_write_that_lost_a_slot_gets_no_new_rows_for_it(make_core: Make
     (chunk,) = effects_of(resumed.effects, DeferredChunk)
     assert chunk.new_task and chunk.tid != first
     assert core.presence(DEF, 0) == (chunk.tid, 3)
-    assert core._tasks[first].slots[DEF][0].tolist() == blocks(0), "no rows appended to the loser"
-    assert core._writes.open_write(ReqId("a")) == chunk.tid
+    claims = core.task_claims(first)
+    assert claims is not None
+    assert claims.slots[DEF][0].tolist() == blocks(0), "no rows appended to the loser"
+    assert core.open_write(ReqId("a")) == chunk.tid
     # The new write takes later chunks that it did not lose.
     (more,) = effects_of(save(core, [("a", [1])], deferred=(DEF,)).effects, DeferredChunk)
     assert (more.tid, more.new_task) == (chunk.tid, False)
@@ -595,8 +598,10 @@ def test_slot_6_occupancy_costs_eight_bytes_per_slot_and_key(make_core: MakeCore
     save(core, [("a", blocks(0))], immediate=(HIDDEN_KEY, MM), deferred=(DEF,))
     num_slots = core.config.num_slots
     assert core.occupancy_metadata_bytes() == 8 * num_slots * 3
-    for table in core._tables.values():
-        assert (table.owner.dtype, table.version.dtype) == (np.int32, np.uint32)
+    for key in core.installed_keys:
+        owners, versions = core.slot_owners(key), core.slot_versions(key)
+        assert owners is not None and versions is not None
+        assert (owners.dtype, versions.dtype) == (np.int32, np.uint32)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
@@ -671,7 +676,8 @@ def test_task_1_one_open_deferred_write_per_request_takes_later_steps(
         ("b", tids["b"], False),
         ("a", tids["a"], False),
     ]
-    assert core._tasks[tids["a"]].chunks == 2
+    claims = core.task_claims(tids["a"])
+    assert claims is not None and claims.chunks == 2
     assert core.task_state(tids["a"]) is TaskState.PENDING
 
 
@@ -884,7 +890,9 @@ def test_task_5_the_last_row_of_a_repeated_slot_wins(make_core: MakeCore) -> Non
         assert read.step_row.tolist() == [4, 1, 2, 3]
     tid = _deferred_tid(published.effects, "a")
     save(core, [("a", [1])], deferred=(DEF,))
-    chunks = [c.tolist() for c in core._tasks[tid].slots[DEF]]
+    claims = core.task_claims(tid)
+    assert claims is not None
+    chunks = [c.tolist() for c in claims.slots[DEF]]
     assert chunks == [[0, 1, 2, 3, 0], [1]], "chunks stay in append order for the writer"
 
 
@@ -1295,8 +1303,9 @@ def test_hit_6_a_slot_changed_behind_a_delayed_read_makes_it_raise(make_core: Ma
     """A planned slot whose version moved without a preserved copy makes the read raise (HIT-6)."""
     core = make_core()
     delayed = _hit_6_scenario(core)
-    # Corrupt on purpose: slot 0 changes tenant without passing through copy-on-write.
-    core._tables[HIDDEN_KEY].version[0] += 1
+    # Corrupt on purpose, in the slot tables themselves: slot 0 changes tenant without passing
+    # through copy-on-write.
+    core._slots.by_key[HIDDEN_KEY].version[0] += 1
     start(core, finished("a"), started("c"))
     published = save(core, [("c", blocks(0))])
     preserve = {p.key: p.positions.tolist() for p in effects_of(published.effects, Preserve)}
@@ -1611,6 +1620,7 @@ def test_d3_task_ids_stop_before_the_owner_table_wraps(make_core: MakeCore) -> N
     """The last int32 tid is used as is; a save needing one more raises before changing (D3)."""
     core = make_core(deferred_policy(hidden=False))
     start(core, started("a"))
+    # No input issues two billion ids in a test's time: jump the tasks' id counter there.
     core._writes._next_tid = _MAX_TID
     (write,) = step_writes(save(core, [("a", [0])], immediate=(MM,), land_writes=False))
     assert write.tid == _MAX_TID
@@ -1690,6 +1700,9 @@ def _healthy_core() -> CacheCore:
     return core
 
 
+# Each corruption reaches into the machine that owns the state it breaks: that is its purpose.
+
+
 def _corrupt_budget(core: CacheCore) -> None:
     core._writes._budget_used += 1
 
@@ -1699,13 +1712,15 @@ def _corrupt_page_holder(core: CacheCore) -> None:
 
 
 def _corrupt_owner(core: CacheCore) -> None:
-    core._tables[HIDDEN_KEY].owner[20] = 77
+    core._slots.by_key[HIDDEN_KEY].owner[20] = 77
 
 
 def _corrupt_open_write(core: CacheCore) -> None:
-    open_tid = core._writes.open_write(ReqId("a"))
+    open_tid = core.open_write(ReqId("a"))
     assert open_tid is not None
-    core._tasks[open_tid].state = TaskState.COPYING
+    task = core._writes.get(open_tid)
+    assert task is not None
+    task.state = TaskState.COPYING
 
 
 def _corrupt_retired_waiter(core: CacheCore) -> None:
@@ -1713,7 +1728,9 @@ def _corrupt_retired_waiter(core: CacheCore) -> None:
 
 
 def _corrupt_terminal_task(core: CacheCore) -> None:
-    core._tasks[Tid(1)].state = TaskState.WRITTEN
+    task = core._writes.get(Tid(1))
+    assert task is not None
+    task.state = TaskState.WRITTEN
 
 
 def _corrupt_writer_count(core: CacheCore) -> None:
@@ -1721,7 +1738,7 @@ def _corrupt_writer_count(core: CacheCore) -> None:
 
 
 def _corrupt_version(core: CacheCore) -> None:
-    table = core._tables[HIDDEN_KEY]
+    table = core._slots.by_key[HIDDEN_KEY]
     table.version[3] = table.claims + 1
 
 
