@@ -162,8 +162,8 @@ def settle(manager: OmniPrefixCacheManager, timeout_s: float = 10.0) -> CacheSta
 
     def idle() -> bool:
         manager.stats()
-        tasks = list(manager._core._tasks.values())
-        return all(task.state is TaskState.PENDING for task in tasks)
+        states = manager._state.core.task_states().values()
+        return all(state is TaskState.PENDING for state in states)
 
     assert wait_for(idle, timeout_s), "writes still in flight"
     return manager.stats()
@@ -176,13 +176,16 @@ def pool_mismatches(manager: OmniPrefixCacheManager, oracle: Oracle) -> list[str
     writes touch only slots they own, so the committed rows cannot change meanwhile.
     """
     bad: list[str] = []
-    with manager._lock:
-        manager._drain(raise_fatal=False)
-        for key, table in manager._core._tables.items():
-            committed = torch.from_numpy(np.flatnonzero(table.owner == 0))
+    with manager._state.lock:
+        manager._state.drain(raise_fatal=False)
+        core = manager._state.core
+        for key in core.installed_keys:
+            owners = core.slot_owners(key)
+            assert owners is not None
+            committed = torch.from_numpy(np.flatnonzero(owners == 0))
             if not len(committed):
                 continue
-            pool = manager._pool.tensors[key][committed]
+            pool = manager._state.pool.tensors[key][committed]
             want = oracle.rows[key][committed].reshape(len(committed), -1)
             wrong = (pool != want).any(dim=1)
             if wrong.any():
@@ -721,8 +724,8 @@ class Engine:
 
     def _core_open_steps(self) -> set[int]:
         """The step ids the cache still holds open (a test-only peek under its state lock)."""
-        with self.m._lock:
-            return set(self.m._core._steps)
+        with self.m._state.lock:
+            return set(self.m._state.core.unended_step_ids())
 
     def _plan(self, saved: Saved, reqs: Sequence[str]) -> _Plan:
         """Predict what materializing ``reqs`` of ``saved`` hands out (DLV-2, DLV-4, DLV-5).

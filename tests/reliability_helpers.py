@@ -79,12 +79,10 @@ def assert_sticky(manager: OmniPrefixCacheManager, tids: tuple[int, ...]) -> Non
     stats = manager.stats()
     assert stats.writes_failed == 1
     # FAIL-1: the failed write gave back its page and its budget; open steps keep theirs.
-    with manager._lock:
-        assert stats.pages_in_use == len(manager._core.open_step_ids)
-        assert not manager._core._tasks or all(
-            t.tid not in tids for t in manager._core._tasks.values()
-        )
-        manager._core.check_invariants()
+    with manager._state.lock:
+        assert stats.pages_in_use == len(manager._state.core.open_step_ids)
+        assert manager._state.core.task_states().keys().isdisjoint(tids)
+        manager._state.core.check_invariants()
 
 
 def usable(manager: OmniPrefixCacheManager, blocks: tuple[int, int, int] = (13, 14, 15)) -> None:
@@ -106,5 +104,5 @@ def usable(manager: OmniPrefixCacheManager, blocks: tuple[int, int, int] = (13, 
     last = bounded(lambda: engine.step({}), "save")
     manager.discard_step(last.step_id)
     settle(manager)
-    with manager._lock:
-        manager._core.check_invariants()
+    with manager._state.lock:
+        manager._state.core.check_invariants()

@@ -36,16 +36,16 @@ def _busy(manager: OmniPrefixCacheManager) -> tuple[Engine, list[weakref.ref[Any
     engine.step({"b": 1, "c": 3})  # left open: its page, its clones, b's hit read
     engine.step({"b": 1, "c": 1})  # left open too
     refs: list[weakref.ref[Any]] = []
-    refs.extend(weakref.ref(t) for t in manager._pool.tensors.values())
-    refs.extend(weakref.ref(t) for t in manager._pages.buffers.values())
-    for ctx in manager._steps.values():
+    refs.extend(weakref.ref(t) for t in manager._state.pool.tensors.values())
+    refs.extend(weakref.ref(t) for t in manager._state.pages.buffers.values())
+    for ctx in manager._state.steps.values():
         refs.extend(weakref.ref(t) for t in ctx.deferred_rows.values())
-    for job in manager._jobs.values():
+    for job in manager._state.jobs.values():
         if job.slots is not None:
             refs.append(weakref.ref(job.slots))
         for chunk in job.chunks:
             refs.extend(weakref.ref(t) for t in (chunk.device or chunk.host or {}).values())
-    assert len(refs) >= 7 and manager._jobs, "the cache is not busy enough to show a leak"
+    assert len(refs) >= 7 and manager._state.jobs, "the cache is not busy enough to show a leak"
     return engine, refs
 
 
@@ -54,8 +54,8 @@ def _released(manager: OmniPrefixCacheManager, refs: list[weakref.ref[Any]]) -> 
     assert not library_threads(), library_threads()
     alive = [ref() for ref in refs if ref() is not None]
     assert not alive, f"{len(alive)} buffers or jobs still reachable: {alive[:3]}"
-    assert not manager._jobs and not manager._steps and not manager._reads
-    assert not manager._committer._queue
+    assert not manager._state.jobs and not manager._state.steps and not manager._state.reads
+    assert not manager._state.committer._queue
     stats = manager.stats()
     assert stats.pool_bytes == stats.staging_bytes == 0
     assert stats.host_pinned_bytes == stats.host_unpinned_bytes == 0
@@ -106,10 +106,11 @@ def test_a_finished_run_holds_no_page_and_no_budget(threaded: bool) -> None:
     stats = settle(manager)
     assert stats.pages_in_use == 0
     assert stats.budget_bytes_in_use == 0
-    with manager._lock:
-        assert not manager._core._tasks and not manager._core._steps
-        manager._core.check_invariants()
-    assert not manager._jobs and not manager._steps and not manager._reads
+    with manager._state.lock:
+        core = manager._state.core
+        assert not core.task_states() and not core.unended_step_ids()
+        manager._state.core.check_invariants()
+    assert not manager._state.jobs and not manager._state.steps and not manager._state.reads
     manager.shutdown()
 
 

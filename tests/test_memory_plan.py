@@ -62,27 +62,31 @@ def test_reserve_allocates_what_host_bytes_says(make: Make) -> None:
     assert stats.occupancy_bytes == sum(p.occupancy for p in plan.values())
     assert stats.host_pinned_bytes == 0
     assert stats.host_unpinned_bytes == stats.pool_bytes + stats.staging_bytes
-    with manager._lock:
-        manager._core.check_invariants()
+    with manager._state.lock:
+        manager._state.core.check_invariants()
 
 
 def test_first_save_after_reserve_allocates_nothing(make: Make) -> None:
     """Reserved keys: the first save allocates no pool, page or occupancy table."""
     manager = make()
     manager.reserve(KEYS)
-    pool = dict(manager._pool.tensors)
-    pages = dict(manager._pages.buffers)
-    tables = dict(manager._core._spare_tables)
+    pool = dict(manager._state.pool.tensors)
+    pages = dict(manager._state.pages.buffers)
+    reserved = manager._state.core.reserved_keys()
+    tables_allocated = manager._state.core.occupancy_tables_allocated
     allocations: list[Any] = []
     manager._inject_fault("alloc", allocations.append)
     engine = Engine(manager)
     engine.start("a", [0, 1, 2])
     engine.materialize(engine.step({"a": 6}))  # hidden, MM and DEF: every reserved key
     assert allocations == []
-    assert manager._pool.tensors == pool
-    assert manager._pages.buffers == pages
-    assert all(manager._core._tables[key] is table for key, table in tables.items())
-    assert manager._core._spare_tables == {}
+    assert manager._state.pool.tensors == pool
+    assert manager._state.pages.buffers == pages
+    # The first save took every reserved table and allocated none of its own.
+    core = manager._state.core
+    assert reserved and set(reserved) <= set(core.installed_keys)
+    assert core.reserved_keys() == ()
+    assert core.occupancy_tables_allocated == tables_allocated
     usable(manager)
     assert allocations == []
 
@@ -105,9 +109,9 @@ def test_reserve_is_idempotent_and_keeps_the_shape(make: Make) -> None:
     """Reserving a key again with its shape changes nothing; a save of another shape raises."""
     manager = make()
     manager.reserve({MM: (3, torch.float32)})
-    storage = manager._pool.tensors[MM]
+    storage = manager._state.pool.tensors[MM]
     manager.reserve({MM: ((3,), torch.float32), HIDDEN_KEY: (4, torch.float32)})
-    assert manager._pool.tensors[MM] is storage
+    assert manager._state.pool.tensors[MM] is storage
     engine = Engine(manager)
     engine.start("a", [0, 1, 2])
     engine.begin({"a": 2})
@@ -144,14 +148,14 @@ def test_a_refusal_under_the_lock_keeps_nothing_allocated(
     the error and its frames (D20: keeps nothing)."""
     manager = make()
     allocated: list[weakref.ref[torch.Tensor]] = []
-    real_allocate = manager._pool.allocate
+    real_allocate = manager._state.pool.allocate
 
     def allocate(shape: Any, key: str) -> torch.Tensor:
         storage = real_allocate(shape, key)
         allocated.append(weakref.ref(storage))
         return storage
 
-    monkeypatch.setattr(manager._pool, "allocate", allocate)
+    monkeypatch.setattr(manager._state.pool, "allocate", allocate)
     checks = iter([None, BadInputError(what="rows", expected="first shape", got="another")])
 
     def check_first_shape(what: str, key: str, shape: Any) -> None:
@@ -159,12 +163,12 @@ def test_a_refusal_under_the_lock_keeps_nothing_allocated(
         if refusal is not None:  # the second check: the one under the lock
             raise refusal
 
-    monkeypatch.setattr(manager, "_check_first_shape", check_first_shape)
+    monkeypatch.setattr(manager._host_memory, "check_first_shape", check_first_shape)
     with pytest.raises(BadInputError) as caught:
         manager.reserve({MM: (3, torch.float32)})
     gc.collect()
     assert allocated and all(ref() is None for ref in allocated), caught.value
-    assert MM not in manager._pool.tensors
+    assert MM not in manager._state.pool.tensors
     monkeypatch.undo()
     usable(manager)
 
