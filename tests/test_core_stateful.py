@@ -18,13 +18,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from omni_cache_core import InvariantError, TensorName
-from omni_cache_core._core import CacheCore
+from omni_cache_core import InvariantError, TensorName, _commit
 from omni_cache_core._delivery import Admissions
 from omni_cache_core._occupancy import ABSENT, COMMITTED, OccupancyTable, SlotTables
 from omni_cache_core._reads import HitReads
 from omni_cache_core._steps import Steps
-from omni_cache_core._values import Preserve, SlotArray, Tombstone
+from omni_cache_core._tasks import WriteTasks
+from omni_cache_core._values import Effect, Preserve, SlotArray
 from omni_cache_core.testing import CacheMachine, DriverError, ModelMismatch, reach_every_case
 
 #: What the machine's runs must reach, as `CacheMachine` counts it (LIFE-1..4, DLV-2..5).
@@ -86,20 +86,22 @@ def _commit_ignoring_owners(
     self.owner[slots] = COMMITTED
 
 
-_REAL_TAKE = CacheCore._take
+_REAL_CLAIM = _commit._claim
 
 
 def _no_explicit_absence(
-    self: CacheCore,
-    key: TensorName,
+    keys: tuple[TensorName, ...] | list[TensorName],
     slots: SlotArray,
     owner: int | npt.NDArray[np.int32],
-    writes_in_flight: bool,
-) -> list[Tombstone]:
+    busy: set[TensorName],
+    writes: WriteTasks,
+    tables: SlotTables,
+    effects: list[Effect],
+) -> None:
     """A core that forgets SLOT-4: a key a step did not emit keeps its older rows."""
     if isinstance(owner, int) and owner == ABSENT:
-        return []
-    return _REAL_TAKE(self, key, slots, owner, writes_in_flight)
+        return
+    _REAL_CLAIM(keys, slots, owner, busy, writes, tables, effects)
 
 
 Int64Array = npt.NDArray[np.int64]
@@ -124,7 +126,7 @@ class _SlotMachine(CacheMachine):
 
 
 #: Per control: what it breaks, and the machine that must notice.
-_BROKEN: dict[str, tuple[type, str, Callable[..., object], type[CacheMachine]]] = {
+_BROKEN: dict[str, tuple[object, str, Callable[..., object], type[CacheMachine]]] = {
     "copy-on-write skipped (HIT-6)": (
         HitReads,
         "copy_on_write",
@@ -137,7 +139,7 @@ _BROKEN: dict[str, tuple[type, str, Callable[..., object], type[CacheMachine]]] 
         _commit_ignoring_owners,
         _SlotMachine,
     ),
-    "no explicit absence (SLOT-4)": (CacheCore, "_take", _no_explicit_absence, _SlotMachine),
+    "no explicit absence (SLOT-4)": (_commit, "_claim", _no_explicit_absence, _SlotMachine),
     "positions handed out again (DLV-2)": (Admissions, "deliver", _deliver_again, CacheMachine),
     "no delivery order (DLV-5)": (
         Steps,
@@ -177,7 +179,7 @@ def test_machine_finds_a_broken_rule(broken: str, monkeypatch: pytest.MonkeyPatc
 def test_controls_leave_the_core_intact() -> None:
     """The controls patch the core only inside their own test."""
     assert HitReads.copy_on_write is not _skip_copy_on_write
-    assert CacheCore._take is _REAL_TAKE
+    assert _commit._claim is _REAL_CLAIM
     assert Admissions.deliver is not _deliver_again
     assert Steps.check_delivery_order is not _no_delivery_order
     table = OccupancyTable(4)
