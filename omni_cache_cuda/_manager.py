@@ -47,12 +47,11 @@ from omni_cache_cuda._effects import EffectInterpreter
 from omni_cache_cuda._host_memory import HostMemory
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._log import BUDGET_FLUSH_LOG_INTERVAL_S, RateLimit, log, next_id
-from omni_cache_cuda._nvtx import RangeFn, ranges_for
+from omni_cache_cuda._nvtx import ranges_for
 from omni_cache_cuda._outputs import StageCacheOutputs
 from omni_cache_cuda._save_path import SavePath
 from omni_cache_cuda._state import AdapterState
 from omni_cache_cuda._stats import CacheStats, HostBytes
-from omni_cache_cuda._storage import HostPool, StagingPages
 
 __all__ = ["OmniPrefixCacheManager"]
 
@@ -384,36 +383,3 @@ class OmniPrefixCacheManager:
                 host_pinned_bytes=pinned,
                 host_unpinned_bytes=pool_bytes + staging_bytes - pinned,
             )
-
-    # -----------------------------------------------------------------------------------------
-    # Read-only views of the shared state (not public API), under the names some tests read.
-
-    @property
-    def _core(self) -> CacheCore:
-        """The core (`AdapterState.core`)."""
-        return self._state.core
-
-    @property
-    def _pool(self) -> HostPool:
-        """The host pool (`AdapterState.pool`)."""
-        return self._state.pool
-
-    @property
-    def _pages(self) -> StagingPages:
-        """The staging pages (`AdapterState.pages`)."""
-        return self._state.pages
-
-    @property
-    def _id(self) -> int:
-        """The id this manager's log lines carry (`AdapterState.cache_id`)."""
-        return self._state.cache_id
-
-    @property
-    def _range(self) -> RangeFn:
-        """The NVTX range function (`AdapterState.ranges`)."""
-        return self._state.ranges
-
-    @property
-    def _flush_log(self) -> RateLimit:
-        """The rate limit of the budget-flush log line (`AdapterState.flush_log`)."""
-        return self._state.flush_log

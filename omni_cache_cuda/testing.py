@@ -69,6 +69,9 @@ import torch
 
 from omni_cache_core import (
     HIDDEN_KEY,
+    AwaitPage,
+    AwaitTasks,
+    EscalateTasks,
     ModelCachePolicy,
     PrefixCacheConfig,
     PrefixCacheRequestEvent,
@@ -78,7 +81,6 @@ from omni_cache_core import (
     TensorName,
     Tid,
 )
-from omni_cache_core._values import AwaitPage, AwaitTasks, EscalateTasks
 from omni_cache_core.testing import (
     DEFERRED_KEY,
     MM_KEY,
@@ -338,7 +340,7 @@ class TensorDriver:
             self.manager._inject_write_fault(self._gate)
             for point in ("host_ready", "deferred_piece"):
                 self.manager._inject_fault(point, functools.partial(self._gate.early, point))
-        self._observe(self.manager._core)
+        self._observe(self.manager._state.core)
         self._observe_waits()
 
     # -----------------------------------------------------------------------------------------
@@ -383,7 +385,7 @@ class TensorDriver:
         wait nothing will end (a stalled save, a page claim with every page held) runs on the
         real clock to its timeout.
         """
-        wait = self.manager._wait
+        wait = self.manager._state.wait_for_signal
 
         def event_wait(seen: int, deadline_ns: int) -> None:
             tids = getattr(self._awaited, "tids", None)
@@ -401,7 +403,7 @@ class TensorDriver:
                 return
             wait(seen, deadline_ns)
 
-        self.manager._wait = event_wait  # type: ignore[method-assign]
+        self.manager._state.wait_for_signal = event_wait  # type: ignore[method-assign]
 
     def _let_through(self, tids: Iterable[Tid]) -> None:
         if self._gate is not None:
@@ -415,19 +417,19 @@ class TensorDriver:
     @property
     def open_step_ids(self) -> tuple[StepId, ...]:
         """Step ids saved and not consumed, as the core reports them."""
-        with self.manager._lock:
-            return self.manager._core.open_step_ids
+        with self.manager._state.lock:
+            return self.manager._state.core.open_step_ids
 
     def snapshot(self) -> Any:
         """The core's canonical state."""
-        with self.manager._lock:
-            return self.manager._core.snapshot()
+        with self.manager._state.lock:
+            return self.manager._state.core.snapshot()
 
     def sync(self) -> None:
         """Let the committer settle, then feed its reports to the core (D8)."""
         self._settle()
-        with self.manager._lock:
-            self.manager._drain(raise_fatal=False)
+        with self.manager._state.lock:
+            self.manager._state.drain(raise_fatal=False)
 
     def in_flight(self) -> tuple[Tid, ...]:
         """Writes the committer holds and has not finished: parked or queued (threaded only)."""
@@ -437,15 +439,15 @@ class TensorDriver:
         return tuple(
             sorted(
                 tid
-                for tid, job in list(self.manager._jobs.items())
+                for tid, job in list(self.manager._state.jobs.items())
                 if job.stage in (JobStage.QUEUED, JobStage.RUNNING) and tid not in through
             )
         )
 
     def check_invariants(self) -> None:
         """Check the core's invariants and that no committed pool row is torn."""
-        with self.manager._lock:
-            self.manager._core.check_invariants()
+        with self.manager._state.lock:
+            self.manager._state.core.check_invariants()
         self.committed_rows()
 
     def committed_rows(self) -> dict[TensorName, dict[int, int]]:
@@ -455,10 +457,10 @@ class TensorDriver:
             DriverError: A committed row is torn (its elements differ).
         """
         out: dict[TensorName, dict[int, int]] = {}
-        with self.manager._lock:
-            core = self.manager._core
+        with self.manager._state.lock:
+            core = self.manager._state.core
             for key in core.installed_keys:
-                pool = self.manager._pool.tensors.get(key)
+                pool = self.manager._state.pool.tensors.get(key)
                 owners = core.slot_owners(key)
                 assert owners is not None  # an installed key has its table
                 committed = np.flatnonzero(owners == 0)
@@ -594,7 +596,7 @@ class TensorDriver:
         """Run the committer until ``tid`` fails (FAIL-1): at the fault point ``at`` if the
         write has yet to reach it (a piece of its deferred copy, its host-ready wait: D19), else
         at its pool write."""
-        job = self.manager._jobs.get(tid)
+        job = self.manager._state.jobs.get(tid)
         gate = self._gate
         order = list(_Gate.ORDER if job is not None and job.deferred else _Gate.ORDER[1:])
         if gate is not None and gate.parked is not None and gate.parked.tid == tid:
@@ -618,7 +620,7 @@ class TensorDriver:
         return tuple(
             tid
             for tid in self.in_flight()
-            if (job := self.manager._jobs.get(tid)) is not None
+            if (job := self.manager._state.jobs.get(tid)) is not None
             and (job.stage is JobStage.QUEUED or job is parked)
         )
 
@@ -638,13 +640,13 @@ class TensorDriver:
         if gate is None:
             return
         gate.hold()  # writes the call awaited are through; the rest wait for land()
-        committer = self.manager._committer
+        committer = self.manager._state.committer
         deadline = time.monotonic() + _SETTLE_S
         while True:
             with committer._cv:
                 queued = bool(committer._queue)
                 parked = gate.parked
-                jobs = [*self.manager._jobs.values(), *gate.finishing]
+                jobs = [*self.manager._state.jobs.values(), *gate.finishing]
                 running = [j for j in jobs if j.stage is JobStage.RUNNING and j is not parked]
                 if not running and (parked is not None or not queued):
                     gate.finishing = [j for j in gate.finishing if j.stage is not JobStage.DONE]

@@ -47,7 +47,7 @@ import attrs
 import numpy as np
 import torch
 
-from omni_cache_core._values import TaskState
+from omni_cache_core import TaskState
 from omni_cache_cuda import (
     HIDDEN_KEY,
     CacheStats,

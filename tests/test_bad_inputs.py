@@ -248,7 +248,9 @@ def _preempt_a(ctx: Ctx) -> None:
 def _(ctx: Ctx) -> Callable[[], Any]:
     _preempt_a(ctx)
     ctx.after.append(
-        lambda: _same(ctx.manager._core.request_states().get("a") is RequestState.PREEMPTED, True)
+        lambda: _same(
+            ctx.manager._state.core.request_states().get("a") is RequestState.PREEMPTED, True
+        )
     )
     return lambda: ctx.begin({"a": 1}, event("a", STARTED, block_ids=(0, 1, 2)))
 
@@ -437,12 +439,12 @@ def _(ctx: Ctx) -> Callable[[], Any]:
 
 
 def _storage_unchanged(ctx: Ctx) -> None:
-    pool = dict(ctx.manager._pool.tensors)
-    pages = dict(ctx.manager._pages.buffers)
+    pool = dict(ctx.manager._state.pool.tensors)
+    pages = dict(ctx.manager._state.pages.buffers)
 
     def same() -> None:
-        assert ctx.manager._pool.tensors == pool
-        assert ctx.manager._pages.buffers == pages
+        assert ctx.manager._state.pool.tensors == pool
+        assert ctx.manager._state.pages.buffers == pages
 
     ctx.after.append(same)
 
@@ -483,7 +485,7 @@ def _(ctx: Ctx) -> Callable[[], Any]:
 def _(ctx: Ctx) -> Callable[[], Any]:
     manager = make_manager(ctx.threaded, cache_policy=policy(hidden=False))
     ctx.extra.append(manager)
-    ctx.after.append(lambda: _same(manager._pool.tensors, {}))
+    ctx.after.append(lambda: _same(manager._state.pool.tensors, {}))
     ctx.after.append(lambda: usable(manager))
     return lambda: manager.reserve({HIDDEN_KEY: (4, torch.float32)})
 

@@ -52,7 +52,7 @@ def test_first_allocation_per_key_is_logged_once_with_its_bytes(records):
     """Each cached key's first save logs its pool and page bytes; later saves log nothing."""
     with cpu_manager() as mgr:
         scripted_run(mgr)
-        cache_id = mgr._id
+        cache_id = mgr._state.cache_id
     lines = _events(records, "key_allocated")
     assert [r.omni_cache_key for r in lines] == ["__hidden_states__", MM]
     hidden, mm = lines
@@ -125,7 +125,7 @@ def test_budget_flushes_are_logged_at_most_once_per_interval(records):
     for interval, lines in ((60.0, 1), (0.0, 3)):
         records.clear()
         with cpu_manager(policy, gpu_staging_bytes=40, staging_claim_timeout_s=1.0) as mgr:
-            mgr._flush_log.interval_s = interval
+            mgr._state.flush_log.interval_s = interval
             # Each request's 8 deferred rows (32 bytes) fill the budget; the next start
             # forces the previous one's write out.
             for i in range(4):
@@ -191,7 +191,7 @@ def test_log_lines_of_two_managers_carry_their_own_ids(records):
     first.shutdown()
     second.shutdown()
     ids = [r.omni_cache_id for r in _events(records, "shutdown")]
-    assert ids == [first._id, second._id] and ids[0] != ids[1]
+    assert ids == [first._state.cache_id, second._state.cache_id] and ids[0] != ids[1]
 
 
 def _step(events):

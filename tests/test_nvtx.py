@@ -70,7 +70,7 @@ def test_on_the_cpu_the_flag_is_accepted_and_emits_nothing(monkeypatch, recorder
     monkeypatch.setenv(_nvtx.ENV_VAR, "1")
     assert _nvtx.ranges_for(torch.device("cpu")) is _nvtx.no_ranges
     with cpu_manager() as mgr:
-        assert mgr._range is _nvtx.no_ranges
+        assert mgr._state.ranges is _nvtx.no_ranges
         outs = scripted_run(mgr)
     assert outs[1].hidden_states["b"][:, 0].tolist() == [0, 1, 2, 3, 20, 21]
     assert recorder.pushed == []
