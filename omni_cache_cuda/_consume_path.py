@@ -39,12 +39,6 @@ from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
 
 __all__ = ["ConsumePath"]
 
-_POOL = SlotSource.POOL.value
-_AFTER_WRITE = SlotSource.AFTER_WRITE.value
-_TASK = SlotSource.TASK.value
-_ZEROS = SlotSource.ZEROS.value
-_THIS_STEP = SlotSource.THIS_STEP.value
-
 
 class ConsumePath:
     """Consumes saved steps, on any thread (`materialize`, `discard_step`; CONC-3)."""
@@ -251,7 +245,7 @@ class ConsumePath:
         key = read.key
         pool = self._pool.tensors[key]
         source = read.source
-        pooled = (source == _POOL) | (source == _AFTER_WRITE)
+        pooled = (source == SlotSource.POOL.value) | (source == SlotSource.AFTER_WRITE.value)
         prefetched = record.prefetch if record is not None else None
         if prefetched is not None:
             positions, future = prefetched
@@ -270,10 +264,10 @@ class ConsumePath:
                 out[torch.from_numpy(todo)] = pool.index_select(
                     0, torch.from_numpy(read.slots[todo])
                 )
-            zeros = np.flatnonzero(source == _ZEROS)
+            zeros = np.flatnonzero(source == SlotSource.ZEROS.value)
             if len(zeros):
                 out[torch.from_numpy(zeros)] = 0
-            tasked = np.flatnonzero(source == _TASK)
+            tasked = np.flatnonzero(source == SlotSource.TASK.value)
             if len(tasked):
                 limits = dict(read.chunk_limit)
                 for tid in np.unique(read.writer[tasked]).tolist():
@@ -281,7 +275,7 @@ class ConsumePath:
                     out[torch.from_numpy(mine)] = self._task_rows(
                         ctx.task_jobs[Tid(tid)], key, read.slots[mine], limits[Tid(tid)]
                     )
-            own = np.flatnonzero(source == _THIS_STEP)
+            own = np.flatnonzero(source == SlotSource.THIS_STEP.value)
             if len(own):
                 rows = current[key].reshape(len(current[key]), -1)
                 index = torch.from_numpy(read.step_row[own].astype(np.int64))
