@@ -16,7 +16,7 @@ import numpy.typing as npt
 from omni_cache_core._contract import StepId, TensorName, Tid
 from omni_cache_core._occupancy import ABSENT, SlotTables
 from omni_cache_core._tasks import WriteTasks
-from omni_cache_core._values import Effect, SaveBegin, SlotArray, Tombstone
+from omni_cache_core._values import CommitEffect, SaveBegin, SlotArray, Tombstone
 
 __all__ = ["claim_step"]
 
@@ -28,7 +28,7 @@ def claim_step(
     page: int,
     writes: WriteTasks,
     tables: SlotTables,
-    effects: list[Effect],
+    effects: list[CommitEffect],
 ) -> Tid | None:
     """Claim the step's slots for every key; return the step write's tid, if it has one.
 
@@ -73,7 +73,7 @@ def _claim(
     busy: set[TensorName],
     writes: WriteTasks,
     tables: SlotTables,
-    effects: list[Effect],
+    effects: list[CommitEffect],
 ) -> None:
     """Claim (or mark absent) `slots` of each key for `owner`; tombstone displaced writes (SLOT-2).
 

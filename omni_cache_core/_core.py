@@ -72,12 +72,12 @@ from omni_cache_core._tasks import Task, TaskMove, WriteTasks
 from omni_cache_core._values import (
     AwaitPage,
     AwaitTasks,
+    CommitEffect,
     ConsumeBegin,
     ConsumeEnd,
     ConsumePlan,
     CopyLanded,
     CopyStarted,
-    Effect,
     EscalateTasks,
     PageClaimed,
     Report,
@@ -88,6 +88,7 @@ from omni_cache_core._values import (
     SavePublished,
     ShutDown,
     SlotSource,
+    StartEffect,
     StartStep,
     StepWrite,
     WriteFailed,
@@ -148,7 +149,7 @@ class CacheCore(CoreQueries):
         self.policy = policy
         self._key_sets.clear()
 
-    def start_step(self, inp: StartStep) -> tuple[Effect, ...]:
+    def start_step(self, inp: StartStep) -> tuple[StartEffect, ...]:
         """Apply a step's lifecycle records: ends and preemptions first, then starts (HIT-2).
 
         FINISHED, ABORTED and PREEMPTED records are applied in the order given, then STARTED
@@ -202,7 +203,7 @@ class CacheCore(CoreQueries):
                 hit_list.append(
                     (req_id, block_ids[first // block_size : hit_end // block_size], first)
                 )
-        effects: list[Effect] = []
+        effects: list[StartEffect] = []
         if hit_list:
             seen_keys = self._slots.seen_keys()
             hit_keys = [k for k in self.policy.get_hit_keys(seen_keys) if k in seen_keys]
@@ -275,7 +276,7 @@ class CacheCore(CoreQueries):
         step_id = self._saved.issue_id()
         self._slots.install((*sv.immediate_keys, *sv.deferred_keys))
         # HIT-6: protect older reads before anything changes the slots they planned on.
-        effects: list[Effect] = []
+        effects: list[CommitEffect] = []
         if sv.num_tokens:
             effects.extend(self._hits.copy_on_write(sv.slots, self._slots))
         step_tid = claim_step(sv, save.charged, step_id, page, self._writes, self._slots, effects)
@@ -313,7 +314,9 @@ class CacheCore(CoreQueries):
                 StepWrite(tid=step_tid, step_id=step_id, page=page, keys=sv.immediate_keys)
             )
         self.counters.steps_saved += 1
-        return SavePublished(step_id=step_id, effects=tuple(effects))
+        return SavePublished(
+            step_id=step_id, effects=tuple(effects), reads=self._hits.reads_of(step_id)
+        )
 
     def consume_begin(self, inp: ConsumeBegin) -> ConsumePlan | AwaitTasks:
         """Consume a step by id, exactly once (STEP-1).

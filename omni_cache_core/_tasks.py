@@ -44,7 +44,7 @@ import numpy.typing as npt
 from omni_cache_core._contract import ReqId, StepId, TensorName, Tid, WriteSchedule
 from omni_cache_core._errors import IllegalTransitionError, InvariantError
 from omni_cache_core._occupancy import concat
-from omni_cache_core._values import DeferredChunk, Effect, SaveBegin, SlotArray, TaskState
+from omni_cache_core._values import CommitEffect, DeferredChunk, SaveBegin, SlotArray, TaskState
 
 __all__ = ["MAX_TID", "Task", "TaskClaims", "TaskMove", "WriteTasks", "task_ids_needed"]
 
@@ -372,7 +372,7 @@ class WriteTasks:
         self._tasks[tid].tombstones.setdefault(key, []).append(lost)
 
     def stage_deferred(
-        self, sv: SaveBegin, effects: list[Effect]
+        self, sv: SaveBegin, effects: list[CommitEffect]
     ) -> tuple[npt.NDArray[np.int32], set[Tid]]:
         """Append each request's rows to its open deferred write, or open one (D2, SLOT-5)."""
         bounds = sv.row_bounds.tolist()

@@ -426,11 +426,16 @@ class ConsumePlan:
 class SavePublished:
     """The save is published under ``step_id``; run ``effects`` in order.
 
+    ``reads`` are the step's planned hit reads (D4), each its read id and the write tasks whose
+    own rows it reads (`SlotSource.TASK`): what the adapter keeps for the step's consume, so it
+    never asks the core back.
+
     Report with: per effect, as each says.
     """
 
     step_id: StepId
-    effects: tuple[Effect, ...]
+    effects: tuple[CommitEffect, ...]
+    reads: tuple[tuple[int, frozenset[Tid]], ...]
 
 
 Effect: TypeAlias = (

@@ -23,7 +23,6 @@ import torch
 from omni_cache_core import (
     AwaitPage,
     AwaitTasks,
-    CommitEffect,
     ConsumeBegin,
     ConsumeEffect,
     ConsumePlan,
@@ -39,7 +38,6 @@ from omni_cache_core import (
     SaveCommit,
     SaveProceed,
     SaveProceedEffect,
-    StartEffect,
     StartStep,
     StepId,
     StepWrite,
@@ -80,12 +78,7 @@ class EffectInterpreter:
         jobs = state.jobs
         with state.lock:
             state.drain()
-            # start_step is annotated with the whole `Effect` union; it returns only escalations
-            # and prefetches (its docstring), which `StartEffect` names.
-            effects = cast(
-                tuple[StartEffect, ...],
-                state.core.start_step(StartStep(step=step, now_ns=time.monotonic_ns())),
-            )
+            effects = state.core.start_step(StartStep(step=step, now_ns=time.monotonic_ns()))
             # The core forgot the previous start's hits; a start never followed by a save
             # leaves its prefetch records behind.
             state.close_records(state.start_reads)
@@ -195,11 +188,8 @@ class EffectInterpreter:
             state.drain()
             published = state.core.save_commit(SaveCommit(now_ns=time.monotonic_ns()))
             step_id = published.step_id
-            # `SavePublished.effects` is annotated with the whole `Effect` union; a commit
-            # publishes only writes, chunks, tombstones and preserves, which `CommitEffect` names.
-            effects = cast(tuple[CommitEffect, ...], published.effects)
             preserves: list[tuple[ReadRecord, Preserve]] = []
-            for effect in effects:
+            for effect in published.effects:
                 match effect:
                     case StepWrite():
                         assert step_job is not None
@@ -225,7 +215,7 @@ class EffectInterpreter:
                         preserves.append((state.record(effect.read_id), effect))
                     case _:
                         assert_never(effect)
-            reads = state.core.reads_of(step_id)
+            reads = published.reads
             ctx.read_ids = tuple(read_id for read_id, _ in reads)
             # D4: the save dropped the start's reads it did not plan; their records go too.
             state.close_records(state.start_reads.difference(ctx.read_ids))
