@@ -116,10 +116,10 @@ class Admissions:
     """Live requests, their admissions' positions and delivery state (LIFE-1..4, DLV-1, DLV-2)."""
 
     __slots__ = (
+        "_entry_of",
         "_free",
         "_known_layout",
-        "_live",
-        "_preempted",
+        "_num_preempted",
         "computed",
         "cursor",
         "ended",
@@ -136,9 +136,9 @@ class Admissions:
         # Lowest entries first, so a run reuses a small prefix of the arrays.
         self._free: list[int] = list(range(_INITIAL_ENTRIES - 1, -1, -1))
         #: Live requests (running or preempted) and their admission's entry (LIFE-1).
-        self._live: dict[ReqId, int] = {}
+        self._entry_of: dict[ReqId, int] = {}
         #: How many live requests are preempted (their state is in `state`).
-        self._preempted = 0
+        self._num_preempted = 0
         #: The last layout found distinct and running, with its entries, kept until a request
         #: ends or is preempted (a cache only: not part of the state).
         self._known_layout: tuple[tuple[ReqId, ...], frozenset[ReqId], Int64Array] | None = None
@@ -148,7 +148,7 @@ class Admissions:
 
     def state_of(self, req_id: ReqId) -> RequestState:
         """The request id's lifecycle state."""
-        entry = self._live.get(req_id)
+        entry = self._entry_of.get(req_id)
         if entry is None:
             return RequestState.NOT_LIVE
         if self.state[entry] == _PREEMPTED_CODE:
@@ -157,20 +157,20 @@ class Admissions:
 
     def is_live(self, req_id: ReqId) -> bool:
         """Whether the request is running or preempted."""
-        return req_id in self._live
+        return req_id in self._entry_of
 
     def live(self) -> dict[ReqId, RequestState]:
         """Every live request's state, by id in sorted order."""
-        return {r: self.state_of(r) for r in sorted(self._live)}
+        return {r: self.state_of(r) for r in sorted(self._entry_of)}
 
     @property
     def any_preempted(self) -> bool:
         """Whether some live request is preempted."""
-        return self._preempted > 0
+        return self._num_preempted > 0
 
     def entry_of(self, req_id: ReqId) -> int:
         """The live request's admission entry."""
-        return self._live[req_id]
+        return self._entry_of[req_id]
 
     # ---------------------------------------------------------------------------------------
     # Lifecycle (LIFE-1..4).
@@ -209,7 +209,7 @@ class Admissions:
             else:
                 ending.append((req_id, kind))
         # Only ends, preemptions and resumes can be illegal while no request is preempted.
-        if ending or self._preempted or any(kind is _K.RESUMED for _, kind, _, _ in starting):
+        if ending or self._num_preempted or any(kind is _K.RESUMED for _, kind, _, _ in starting):
             self.check_records(ending, starting)
         return ending, starting
 
@@ -241,19 +241,19 @@ class Admissions:
         self.state[entry] = _RUNNING_CODE
         self.computed[entry] = hit_end
         self.cursor[entry] = 0
-        self._live[req_id] = entry
+        self._entry_of[req_id] = entry
 
     def preempt(self, req_id: ReqId) -> None:
         """LIFE-3: the admission keeps its cursor; its positions restart at the resume."""
-        self.state[self._live[req_id]] = _PREEMPTED_CODE
-        self._preempted += 1
+        self.state[self._entry_of[req_id]] = _PREEMPTED_CODE
+        self._num_preempted += 1
         self._known_layout = None
 
     def resume(self, req_id: ReqId, hit_end: int) -> int:
         """LIFE-4: positions restart at `hit_end`. Returns the delivery cursor (DLV-3)."""
-        entry = self._live[req_id]
+        entry = self._entry_of[req_id]
         self.state[entry] = _RUNNING_CODE
-        self._preempted -= 1
+        self._num_preempted -= 1
         self.computed[entry] = hit_end
         return int(self.cursor[entry])
 
@@ -262,9 +262,9 @@ class Admissions:
 
         `steps`: the entries of every unended step.
         """
-        entry = self._live.pop(req_id)
+        entry = self._entry_of.pop(req_id)
         if self.state[entry] == _PREEMPTED_CODE:
-            self._preempted -= 1
+            self._num_preempted -= 1
         self._known_layout = None
         if carried_by(entry, steps):
             self.state[entry] = _ENDED_CODE
@@ -286,7 +286,7 @@ class Admissions:
             raise BadInputError(
                 what="write layout requests", expected="distinct request ids", got="a repeat"
             )
-        live = self._live
+        live = self._entry_of
         if not unique <= live.keys():
             missing = sorted(unique - live.keys())[:4]
             raise BadInputError(
@@ -295,7 +295,7 @@ class Admissions:
                 got=f"unknown requests {missing}",
             )
         entries = np.fromiter((live[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        if self._preempted and any_true(self.state[entries] == _PREEMPTED_CODE):
+        if self._num_preempted and any_true(self.state[entries] == _PREEMPTED_CODE):
             preempted = sorted(r for r in unique if self.state[live[r]] == _PREEMPTED_CODE)[:4]
             raise BadInputError(
                 what="write layout requests",
@@ -359,7 +359,7 @@ class Admissions:
         `steps`: the entries of every unended step, in step order. Entries are renamed in
         order of first appearance: live requests sorted by id, then the steps' entries.
         """
-        live = self._live
+        live = self._entry_of
         names: dict[int, int] = {}
         for entry in [*(live[r] for r in sorted(live)), *(e for s in steps for e in s.tolist())]:
             names.setdefault(int(entry), len(names))
@@ -393,16 +393,16 @@ class Admissions:
             raise InvariantError("the free list and the entry states disagree")
         if not carried <= used:
             raise InvariantError("a step carries a freed admission entry")
-        live_entries = set(self._live.values())
-        if len(live_entries) != len(self._live):
+        live_entries = set(self._entry_of.values())
+        if len(live_entries) != len(self._entry_of):
             raise InvariantError("two live requests share an admission entry")
         preempted = 0
-        for req_id, entry in self._live.items():
+        for req_id, entry in self._entry_of.items():
             code = AdmissionState(int(self.state[entry]))
             if code not in (AdmissionState.RUNNING, AdmissionState.PREEMPTED):
                 raise InvariantError(f"request {req_id!r}: entry {entry} is {code.name}")
             preempted += code is AdmissionState.PREEMPTED
-        if preempted != self._preempted:
+        if preempted != self._num_preempted:
             raise InvariantError("the preempted count does not match the entry states")
         if used - live_entries != self.ended:
             raise InvariantError("ended entries do not match those of no live request")

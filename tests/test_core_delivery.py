@@ -20,10 +20,12 @@ from omni_cache_core import (
     BadInputError,
     DeliveryOrderError,
     LifecycleError,
+    PrefixCacheEventKind,
     PrefixCacheRequestEvent,
     ReqId,
     StepId,
 )
+from omni_cache_core._delivery import _LIFECYCLE, RequestState
 from omni_cache_core._values import (
     ConsumeBegin,
     ConsumePlan,
@@ -489,3 +491,54 @@ def test_dlv_2_a_whole_life_with_preemptions_hands_out_every_position_once(
     assert len(delivered) == len(set(delivered)), "a position was handed out twice"
     assert delivered == sorted(delivered), "positions came out of order"
     assert set(delivered) | skipped >= set(range(max(delivered) + 1))
+
+
+_RECORDS = {
+    PrefixCacheEventKind.STARTED: started,
+    PrefixCacheEventKind.RESUMED: resumed,
+    PrefixCacheEventKind.PREEMPTED: preempted,
+    PrefixCacheEventKind.FINISHED: finished,
+    PrefixCacheEventKind.ABORTED: aborted,
+}
+_SETUPS = {
+    RequestState.NOT_LIVE: lambda core: None,
+    RequestState.RUNNING: _running_a,
+    RequestState.PREEMPTED: _preempted_a,
+}
+
+
+@pytest.mark.parametrize("kind", list(PrefixCacheEventKind), ids=lambda k: k.name)
+@pytest.mark.parametrize("state", list(RequestState), ids=lambda s: s.name)
+def test_life_2_every_state_and_record_pair_moves_by_the_table_or_raises(
+    make_core: MakeCore, state: RequestState, kind: PrefixCacheEventKind
+) -> None:
+    """Each (state, record) pair: a pair in `_LIFECYCLE` moves the request to the table's state;
+    any other raises LifecycleError naming the pair and changes nothing (LIFE-2)."""
+    core = make_core()
+    _SETUPS[state](core)
+    assert core.request_states().get("a", RequestState.NOT_LIVE) is state
+    step = _steps(core, _RECORDS[kind]("a"))
+    target = _LIFECYCLE.get((state, kind))
+    if target is None:
+        error = raises_unchanged(core, LifecycleError, core.start_step, step)
+        assert (error.event, error.state) == (kind.value, state.value)
+    else:
+        core.start_step(step)
+        assert core.request_states().get("a", RequestState.NOT_LIVE) is target
+    core.check_invariants()
+
+
+def test_life_2_the_record_table_is_the_spec() -> None:
+    """`_LIFECYCLE` is LIFE-2 as SPEC section 12 writes it: a start of an id not live, a
+    continuation of a running one, a preemption of a running one, a resume of a preempted one,
+    and an end in any state (an end of an id not live is accepted and changes nothing)."""
+    K, S = PrefixCacheEventKind, RequestState
+    expected = {
+        (S.NOT_LIVE, K.STARTED): S.RUNNING,
+        (S.RUNNING, K.STARTED): S.RUNNING,
+        (S.RUNNING, K.PREEMPTED): S.PREEMPTED,
+        (S.PREEMPTED, K.RESUMED): S.RUNNING,
+    }
+    for state in S:
+        expected[(state, K.FINISHED)] = expected[(state, K.ABORTED)] = S.NOT_LIVE
+    assert dict(_LIFECYCLE) == expected

@@ -45,6 +45,7 @@ from omni_cache_core import (
 from omni_cache_core._core import CacheCore
 from omni_cache_core._occupancy import ABSENT, OccupancyTable
 from omni_cache_core._pages import HolderKind
+from omni_cache_core._save import _SAVE_MOVES, PendingSave, SaveOutcome, SavePhase
 from omni_cache_core._tasks import _TASK_MOVES, TaskMove
 from omni_cache_core._tasks import MAX_TID as _MAX_TID
 from omni_cache_core._values import (
@@ -1761,3 +1762,47 @@ def test_check_invariants_catches_a_corrupted_state(name: str) -> None:
     CORRUPTIONS[name](core)
     with pytest.raises(InvariantError):
         core.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------
+# The save's phases (D6): a table of (phase, outcome) -> phase.
+
+
+def test_d6_the_save_phase_table_is_barrier_budget_page_ready() -> None:
+    """A save waits in each phase or passes to the next, in the order barrier, budget, page;
+    the budget phase may also flush and stay (BUDGET-2, TASK-3, PAGE-2)."""
+    P, Out = SavePhase, SaveOutcome
+    expected = {
+        (P.BARRIER, Out.WAIT): P.BARRIER,
+        (P.BARRIER, Out.CLEAR): P.BUDGET,
+        (P.BUDGET, Out.WAIT): P.BUDGET,
+        (P.BUDGET, Out.FLUSH): P.BUDGET,
+        (P.BUDGET, Out.ADMITTED): P.PAGE,
+        (P.PAGE, Out.WAIT): P.PAGE,
+        (P.PAGE, Out.CLAIMED): P.READY,
+    }
+    assert dict(_SAVE_MOVES) == expected
+
+
+def _pending_in(phase: SavePhase) -> PendingSave:
+    save = PendingSave.__new__(PendingSave)  # only the fields `move` reads
+    save.phase, save.deadline_ns = phase, 123
+    return save
+
+
+@pytest.mark.parametrize(
+    ("phase", "outcome"), [(p, o) for p in SavePhase for o in SaveOutcome], ids=str
+)
+def test_d6_a_save_moves_only_by_the_table(phase: SavePhase, outcome: SaveOutcome) -> None:
+    """Each (phase, outcome) pair moves as the table says, a new phase without a deadline (D7);
+    a pair outside the table is a bug and raises InvariantError, the phase unchanged."""
+    save = _pending_in(phase)
+    target = _SAVE_MOVES.get((phase, outcome))
+    if target is None:
+        with pytest.raises(InvariantError, match="has no move"):
+            save.move(outcome)
+        assert (save.phase, save.deadline_ns) == (phase, 123)
+    else:
+        save.move(outcome)
+        assert save.phase is target
+        assert save.deadline_ns == (123 if target is phase else None)
