@@ -119,6 +119,31 @@ def test_partial_match_on_shared_prefix(make: Make) -> None:
     assert_rows(out.mm_outputs[DEF]["c"][8:], saved.rows[DEF][5:], "tail of c")
 
 
+def test_returned_rows_own_their_memory_after_the_page_is_reused(make: Make) -> None:
+    """Rows handed out by a step with a hit request and one without (same-step hit included)
+    stay intact while later steps reuse every staging page (STEP-3, PAGE-1)."""
+    engine = Engine(make(staging_depth=2))
+    engine.start("a", [0, 1])
+    engine.start("b", [2, 3])
+    engine.start("c", [0, 1, 4], hit_end=8)
+    saved = engine.step({"a": 8, "b": 8, "c": 2})
+    out = engine.materialize(saved)
+    kept = {
+        key: {req: rows.clone() for req, rows in by_req.items()}
+        for key, by_req in (("hidden", out.hidden_states), *out.mm_outputs.items())
+    }
+    engine.finish("a")
+    engine.finish("b")
+    engine.finish("c")
+    for i in range(4):  # two pages, each reused twice, by steps of other rows
+        engine.start(f"x{i}", [8 + i])
+        engine.materialize(engine.step({f"x{i}": 4}))
+    for key, by_req in (("hidden", out.hidden_states), *out.mm_outputs.items()):
+        for req, rows in by_req.items():
+            assert torch.equal(rows, kept[key][req]), f"{key} rows of {req} changed"
+    assert_rows(out.hidden_states["c"][:8], saved.rows[HIDDEN_KEY][:8], "prefix of c from a")
+
+
 def test_hit_with_no_rows_this_step(make: Make) -> None:
     """A hit request scheduled 0 tokens beside others gets exactly its prefix rows (HIT-3)."""
     engine = Engine(make())
