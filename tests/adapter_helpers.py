@@ -65,7 +65,7 @@ from omni_cache_cuda import (
     StagingCopyError,
     UnknownStepError,
 )
-from omni_cache_cuda.sim import Knobs, Scheduler, SchedulerCounts
+from omni_cache_cuda.sim import Knobs, RecordQueue, Scheduler, SchedulerCounts
 
 __all__ = [
     "BLOCK",
@@ -403,7 +403,7 @@ class _Plan:
 _ENDS = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
 
 
-class Engine:
+class Engine(RecordQueue):
     """A model runner in miniature: block tables, lifecycle records, layouts and saved tensors.
 
     Use `start`, `finish`, `preempt` and `resume` to queue lifecycle records, then `step` (or
@@ -413,12 +413,12 @@ class Engine:
     """
 
     def __init__(self, manager: OmniPrefixCacheManager) -> None:
+        super().__init__()
         self.m = manager
         self.block_size = manager.config.block_size
         self.oracle = Oracle(manager.config.num_slots)
         self.caches_hidden = manager.policy.needs_full_hidden_states
         self.reqs: dict[str, _Request] = {}
-        self.events: list[PrefixCacheRequestEvent] = []
         self._pending_hits: dict[str, torch.Tensor] = {}
         self._hits: dict[str, torch.Tensor] = {}
         self._schedule: dict[str, int] = {}
@@ -473,14 +473,7 @@ class Engine:
         With ``tokens`` (the whole sequence the request will compute) its rows are the values a
         model computes from them (`encode_content`) and checked against those (DLV-6).
         """
-        self.events.append(
-            PrefixCacheRequestEvent(
-                req_id=req,
-                kind=PrefixCacheEventKind.STARTED,
-                hit_end=hit_end,
-                block_ids=tuple(blocks),
-            )
-        )
+        super().start(req, blocks, hit_end=hit_end)
         if req in self.reqs:
             self.reqs[req].blocks = list(blocks)
             return
@@ -492,27 +485,19 @@ class Engine:
 
     def finish(self, req: str, *, abort: bool = False) -> None:
         """Queue a FINISHED (or ABORTED) record; the request leaves the engine at once (HIT-2)."""
-        kind = PrefixCacheEventKind.ABORTED if abort else PrefixCacheEventKind.FINISHED
-        self.events.append(PrefixCacheRequestEvent(req_id=req, kind=kind))
+        super().finish(req, abort=abort)
         self.reqs.pop(req, None)
         self._pending_hits.pop(req, None)
 
     def preempt(self, req: str) -> None:
         """Queue a PREEMPTED record: the request's blocks are gone until it resumes (LIFE-3)."""
-        self.events.append(PrefixCacheRequestEvent(req_id=req, kind=PrefixCacheEventKind.PREEMPTED))
+        super().preempt(req)
         self.reqs.pop(req, None)
         self._pending_hits.pop(req, None)
 
     def resume(self, req: str, blocks: Sequence[int], *, hit_end: int = 0) -> None:
         """Queue a RESUMED record: the request computes again from ``hit_end`` (LIFE-4)."""
-        self.events.append(
-            PrefixCacheRequestEvent(
-                req_id=req,
-                kind=PrefixCacheEventKind.RESUMED,
-                hit_end=hit_end,
-                block_ids=tuple(blocks),
-            )
-        )
+        super().resume(req, blocks, hit_end=hit_end)
         self.reqs[req] = _Request(list(blocks), hit_end)
         if hit_end:
             self._pending_hits[req] = self._hit_slots(blocks, hit_end)

@@ -41,8 +41,6 @@ from omni_cache_core import (
     HostAllocationError,
     ModelCachePolicy,
     PrefixCacheConfig,
-    PrefixCacheEventKind,
-    PrefixCacheRequestEvent,
     PrefixCacheStep,
     StagingCopyError,
     StepId,
@@ -54,6 +52,7 @@ from omni_cache_cuda._manager import OmniPrefixCacheManager
 from omni_cache_cuda._probes import library_threads, os_threads, resident_bytes
 from omni_cache_cuda._storage import registered_pinned_bytes
 
+from ._records import RecordQueue
 from ._scheduler import Knobs, Scheduler, SchedulerCounts
 from ._soak_checks import (
     DEF,
@@ -112,13 +111,13 @@ _COUNT_NAMES = {
 }
 
 
-class _Records:
+class _Records(RecordQueue):
     """The scheduler's lifecycle records as the step's events, and the admissions they open."""
 
     def __init__(self, builder: Builder, oracle_lock: threading.Lock) -> None:
+        super().__init__()
         self.builder = builder
         self.oracle_lock = oracle_lock
-        self.events: list[PrefixCacheRequestEvent] = []
         self.admissions: dict[str, Admission] = {}
 
     def start(
@@ -131,36 +130,15 @@ class _Records:
     ) -> None:
         assert tokens is not None, req
         self.admissions[req] = Admission(req, tokens)
-        self.events.append(
-            PrefixCacheRequestEvent(
-                req_id=req,
-                kind=PrefixCacheEventKind.STARTED,
-                hit_end=hit_end,
-                block_ids=tuple(blocks),
-            )
-        )
+        super().start(req, blocks, hit_end=hit_end)
 
     def finish(self, req: str, *, abort: bool = False) -> None:
-        kind = PrefixCacheEventKind.ABORTED if abort else PrefixCacheEventKind.FINISHED
-        self.events.append(PrefixCacheRequestEvent(req_id=req, kind=kind))
+        super().finish(req, abort=abort)
         adm = self.admissions.pop(req)
         with self.oracle_lock:
             adm.ended = True
             if adm.outstanding == 0:
                 self.builder._finish(adm)
-
-    def preempt(self, req: str) -> None:
-        self.events.append(PrefixCacheRequestEvent(req_id=req, kind=PrefixCacheEventKind.PREEMPTED))
-
-    def resume(self, req: str, blocks: Sequence[int], *, hit_end: int = 0) -> None:
-        self.events.append(
-            PrefixCacheRequestEvent(
-                req_id=req,
-                kind=PrefixCacheEventKind.RESUMED,
-                hit_end=hit_end,
-                block_ids=tuple(blocks),
-            )
-        )
 
 
 class SoakEngine:
