@@ -152,13 +152,6 @@ class CoreQueries:
         """Whether a step is saved and its consume has not ended."""
         return step_id in self._saved.by_id
 
-    def reads_of(self, step_id: StepId) -> tuple[tuple[int, frozenset[Tid]], ...]:
-        """The reads a step planned, each with the deferred writes whose own rows it reads.
-
-        The adapter keeps those writes' rows reachable until the step's consume ends (HIT-3).
-        """
-        return self._hits.reads_of(step_id)
-
     def next_deadline_ns(self) -> int | None:
         """The earliest deadline of any wait in progress, or None."""
         deadlines = self._saved.deadlines()
