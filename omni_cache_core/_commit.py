@@ -18,7 +18,7 @@ from omni_cache_core._occupancy import ABSENT, SlotTables
 from omni_cache_core._tasks import WriteTasks
 from omni_cache_core._values import CommitEffect, SaveBegin, SlotArray, Tombstone
 
-__all__ = ["claim_step"]
+__all__ = ["claim_step", "mark_absent"]
 
 
 def claim_step(
@@ -66,6 +66,14 @@ def claim_step(
     return step_tid
 
 
+def mark_absent(
+    slots: SlotArray, writes: WriteTasks, tables: SlotTables, effects: list[Tombstone]
+) -> None:
+    """SPEC-3: rejected draft rows: every key's slots become ABSENT with a new version, and a
+    write still carrying them gets a tombstone, so those rows never reach the pool."""
+    _claim(list(tables.by_key), slots, ABSENT, writes.busy_keys(), writes, tables, effects)
+
+
 def _claim(
     keys: tuple[TensorName, ...] | list[TensorName],
     slots: SlotArray,
@@ -73,7 +81,7 @@ def _claim(
     busy: set[TensorName],
     writes: WriteTasks,
     tables: SlotTables,
-    effects: list[CommitEffect],
+    effects: list[CommitEffect] | list[Tombstone],
 ) -> None:
     """Claim (or mark absent) `slots` of each key for `owner`; tombstone displaced writes (SLOT-2).
 

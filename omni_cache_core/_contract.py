@@ -473,7 +473,7 @@ def _scheduled_map(_instance: object, attribute: attrs.Attribute[Any], value: ob
             raise RequestEventError(
                 req_id=req_id, field=attribute.name, value=count, expected="an int >= 0"
             )
-    raise InvariantError("scheduled_tokens failed the fast check, but no entry is wrong")
+    raise InvariantError(f"{attribute.name} failed the fast check, but no entry is wrong")
 
 
 @frozen(kw_only=True, eq=False)
@@ -488,6 +488,11 @@ class PrefixCacheStep:
             stored as a tuple.
         scheduled_tokens: Tokens scheduled per request id in this step. Stored as a private
             dict copy, so later changes to the caller's mapping do not reach the cache.
+        computed_tokens: Per request id, its computed-token count as the engine knows it at
+            this step (vLLM's ``num_computed_tokens``). With speculative decoding it says how
+            many of a request's draft rows were accepted: the ones below it; the rest are
+            rejected and rolled back (SPEC-2, SPEC-3). Entries of requests without unconfirmed
+            drafts are ignored. A private dict copy, like ``scheduled_tokens``.
 
     Raises:
         RequestEventError: An item is not an event, a request id is not a str, or a count is
@@ -498,5 +503,8 @@ class PrefixCacheStep:
         default=(), converter=_events, validator=_event_tuple
     )
     scheduled_tokens: Mapping[str, int] = field(
+        factory=dict, converter=_scheduled_tokens, validator=_scheduled_map
+    )
+    computed_tokens: Mapping[str, int] = field(
         factory=dict, converter=_scheduled_tokens, validator=_scheduled_map
     )

@@ -20,6 +20,7 @@ docstring says what it decides and what it does not:
 - **Requests** (LIFE, DLV, `_delivery`): each admission, its positions and delivery cursor.
 - **Reads** (HIT, D4, `_reads`): hits registered at start, planned at commit, protected by
   copy-on-write (HIT-6).
+- **Drafts** (SPEC, `_drafts`): draft rows waiting for the engine's acceptance, per admission.
 
 What spans machines stays here or in a module of its own: the claims of a commit
 (`_commit`), the invariants across machines (`_invariants`), a write's retirement releasing its
@@ -32,12 +33,12 @@ page), a consume at most that long for the writes its hits read; each deadline s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from omni_cache_core._commit import claim_step
+from omni_cache_core._commit import claim_step, mark_absent
 from omni_cache_core._contract import (
     ModelCachePolicy,
     PrefixCacheConfig,
@@ -46,7 +47,8 @@ from omni_cache_core._contract import (
     Tid,
 )
 from omni_cache_core._counters import CoreCounters
-from omni_cache_core._delivery import Admissions
+from omni_cache_core._delivery import Admissions, RequestState
+from omni_cache_core._drafts import Drafts
 from omni_cache_core._errors import (
     BadInputError,
     HitUnreadableError,
@@ -56,7 +58,7 @@ from omni_cache_core._errors import (
     WriteFailedError,
 )
 from omni_cache_core._invariants import check_machines
-from omni_cache_core._occupancy import SlotTables
+from omni_cache_core._occupancy import SlotTables, any_true
 from omni_cache_core._pages import HolderKind, PageHolders
 from omni_cache_core._queries import CoreQueries
 from omni_cache_core._reads import HitReads
@@ -87,10 +89,12 @@ from omni_cache_core._values import (
     SaveProceed,
     SavePublished,
     ShutDown,
+    SlotArray,
     SlotSource,
     StartEffect,
     StartStep,
     StepWrite,
+    Tombstone,
     WriteFailed,
     WriteLanded,
 )
@@ -128,6 +132,7 @@ class CacheCore(CoreQueries):
         self._saved = Steps(config.staging_claim_timeout_ns, config.staging_claim_timeout_s)
         self._save = SaveInProgress(config.staging_claim_timeout_ns, config.staging_claim_timeout_s)
         self._key_sets = KeySets()
+        self._drafts = Drafts()
 
     # -----------------------------------------------------------------------------------------
     # Engine inputs.
@@ -161,7 +166,14 @@ class CacheCore(CoreQueries):
             LifecycleError: A record is illegal in its request's state (LIFE-2), for example
                 RESUMED of a request that is not preempted; the cache is unchanged.
             BadInputError: An unaligned hit, a hit without enough blocks, a block id out of range,
-                or a request started twice in one step (HIT-1, FAIL-5); the cache is unchanged.
+                or a request started twice in one step (HIT-1, FAIL-5); a computed-token count
+                outside the range of a request's unconfirmed drafts (SPEC-2). The cache is
+                unchanged.
+
+        A computed-token count confirms a request's drafts before its records apply (SPEC-2):
+        rows below it are accepted, the rest rejected and marked absent (SPEC-3); accepted rows
+        its step no longer hands out are read by its next save (SPEC-4). A request that ends
+        or is preempted with unconfirmed drafts has their slots marked absent (SPEC-5).
         """
         if self._unusable:
             self._refuse()
@@ -169,11 +181,21 @@ class CacheCore(CoreQueries):
             raise BadInputError(
                 what="new_step_starts", expected="no save in progress", got="a save in progress"
             )
-        requests, hits = self._requests, self._hits
+        requests, hits, drafts = self._requests, self._hits, self._drafts
+        computed = inp.step.computed_tokens
+        confirms = (
+            drafts.check_confirm(computed, requests.entries_by_request)
+            if drafts and computed
+            else []
+        )
         ending, starting = requests.split_records(inp.step.events, hits.check_hit)
         # From here on nothing raises: the step is applied whole.
         self._started = True
         escalate: list[Tid] = []
+        tombstones: list[Tombstone] = []
+        catch_up: list[tuple[ReqId, SlotArray, int, int]] = []
+        for req_id, entry, count in confirms:
+            self._confirm(req_id, entry, count, tombstones, catch_up)
         # D10: hits of a start that no save followed can never be served; their requests must
         # end (or be preempted and resumed) before they are saved again.
         hits.on_start()
@@ -181,6 +203,10 @@ class CacheCore(CoreQueries):
             if not requests.is_live(req_id):
                 continue  # the end of a request the cache never saw: nothing to do
             hits.forget_request(req_id)
+            if drafts:
+                for p in drafts.drop((requests.entry_of(req_id),)):
+                    self._reject(p.slots, tombstones)  # SPEC-5
+                    self.counters.draft_rows_unconfirmed += len(p.slots)
             preempted = kind is PrefixCacheEventKind.PREEMPTED
             escalate.extend(self._writes.end_request(req_id, ended=not preempted))
             if preempted:
@@ -203,12 +229,20 @@ class CacheCore(CoreQueries):
                 hit_list.append(
                     (req_id, block_ids[first // block_size : hit_end // block_size], first)
                 )
-        effects: list[StartEffect] = []
-        if hit_list:
+        effects: list[StartEffect] = [*tombstones]
+        live = requests.entries_by_request
+        # SPEC-4: only an admission still running reads its accepted rows.
+        reads_back = [
+            (r, slots, first)
+            for r, slots, first, entry in catch_up
+            if live.get(r) == entry and requests.state_of(r) is RequestState.RUNNING
+        ]
+        if hit_list or reads_back:
             seen_keys = self._slots.seen_keys()
             hit_keys = [k for k in self.policy.get_hit_keys(seen_keys) if k in seen_keys]
-            effects.extend(hits.register(hit_list, self._slots, hit_keys))
+            effects.extend(hits.register(hit_list, self._slots, hit_keys, reads_back))
             self.counters.hit_requests += len(hit_list)
+            self.counters.draft_rows_read_back += sum(len(s) for _, s, _ in reads_back)
         if escalate:
             effects.insert(0, EscalateTasks(tids=tuple(escalate)))
         return tuple(effects)
@@ -232,6 +266,7 @@ class CacheCore(CoreQueries):
         check_save_shape(inp, self._slots.num_slots)
         unique, entries = self._requests.check_layout(inp.req_ids)
         self._hits.check_layout(unique)
+        self._drafts.check_layout(inp.req_ids, entries)
         keys = self._key_sets.check(inp, self.policy)
         check_save_sizes(inp, self.config.staging_capacity_tokens)
         # D3, STEP-5: raise now, while nothing has changed, rather than halfway through the commit.
@@ -285,6 +320,10 @@ class CacheCore(CoreQueries):
         # registered a hit here carries the hit rows before them (the reads' planning says).
         bounds = sv.row_bounds
         own, hi = self._requests.on_save(save.entries, bounds[1:] - bounds[:-1])
+        valid = None
+        if sv.drafts is not None and any_true(sv.drafts > 0):
+            valid = self._drafts.on_save(step_id, save.entries, hi, sv.drafts, bounds, sv.slots)
+            self.counters.draft_rows += int(sv.drafts.sum())
         lo = self._hits.plan_step(
             step_id,
             sv,
@@ -307,6 +346,7 @@ class CacheCore(CoreQueries):
                 save.entries,
                 lo,
                 hi,
+                valid,
             )
         )
         if step_tid is not None:
@@ -353,15 +393,17 @@ class CacheCore(CoreQueries):
                 expected="a subset of the requests saved in that step (STEP-4)",
                 got=f"requests outside the save snapshot: {outside}",
             )
+        if inp.computed and step.unconfirmed:
+            self._report(step, inp.computed)
         if whole:
-            entries, lo, hi = step.entries, step.lo, step.hi
+            entries, lo, hi, valid = step.entries, step.lo, step.hi, step.valid
         else:
-            entries, lo, hi = step.select(requested)
+            entries, lo, hi, valid = step.select(requested)
         cursors = self._requests.cursor
         cursor = cursors[entries]
         if next(iter(self._saved.by_id)) != step.step_id:
             # Not the oldest unended step: an earlier one may still owe these requests rows.
-            self._saved.check_delivery_order(step, requested, entries, cursor, hi, cursors)
+            self._saved.check_delivery_order(step, requested, entries, cursor, valid, cursors)
         reads = self._hits.of_step(step.step_id, None if whole else requested)
         if reads:
             try:
@@ -375,7 +417,9 @@ class CacheCore(CoreQueries):
                 raise
         step.consuming = True
         step.consume_deadline_ns = None
-        start, end, skip = self._requests.deliver(entries, cursor, lo, hi)
+        # SPEC-1: positions from `valid` on are drafts not confirmed, or rejected: never handed.
+        start, end, skip = self._requests.deliver(entries, cursor, lo, valid)
+        cut_tail = valid is not hi and any_true(end < hi)
         step.handed = (entries, cursor, end)
         self.counters.steps_consumed += 1
         if reads:
@@ -393,6 +437,7 @@ class CacheCore(CoreQueries):
             starts=start,
             ends=end,
             skip=skip,
+            cut_tail=cut_tail,
         )
 
     def consume_end(self, inp: ConsumeEnd) -> None:
@@ -457,6 +502,7 @@ class CacheCore(CoreQueries):
             self._saved.snapshot(self._hits.read_ids_by_request),
             self._writes.snapshot(),
             self._requests.snapshot(self._saved.entry_arrays()),
+            self._drafts.snapshot(self._requests.entries_by_request),
             self._hits.snapshot(),
             self._slots.snapshot(),
             self._save.snapshot(),
@@ -479,6 +525,7 @@ class CacheCore(CoreQueries):
             save=self._save,
             requests=self._requests,
         )
+        self._drafts.check_invariants(set(self._requests.entries_by_request.values()))
         if self._fatal is not None and self.counters.writes_failed == 0:
             raise InvariantError("fatal without a failed write")
         if self._unusable != (self._closed or self._fatal is not None):
@@ -499,6 +546,67 @@ class CacheCore(CoreQueries):
         page = self._writes.retire(task)
         if page is not None:
             self._pages.let_go(page, HolderKind.TASK, task.tid)  # PAGE-3
+
+    def _confirm(
+        self,
+        req_id: ReqId,
+        entry: int,
+        count: int,
+        tombstones: list[Tombstone],
+        catch_up: list[tuple[ReqId, SlotArray, int, int]],
+    ) -> None:
+        """SPEC-2: the engine computed `count` positions of the request: accept its drafts
+        below it, reject the rest and roll its next position back to `count`."""
+        p = self._drafts.confirm(entry)
+        accepted = count - p.base
+        self._reject(p.slots[accepted:], tombstones)
+        self.counters.draft_rows_accepted += accepted
+        self._requests.computed[entry] = count
+        step = self._saved.get(p.step_id)
+        if step is not None and not step.consuming:
+            step.valid[p.index] = count  # its materialize hands the accepted rows out
+            step.unconfirmed.discard(p.index)
+        elif accepted and self._requests.cursor[entry] == p.base:
+            # SPEC-4: the step handed out its confirmed rows only; the request's next save
+            # carries the accepted ones, read back from their slots like a hit.
+            catch_up.append((req_id, p.slots[:accepted], p.base, entry))
+
+    def _reject(self, slots: SlotArray, tombstones: list[Tombstone]) -> None:
+        """SPEC-3: rows that must never be served: reads planned on them fail, their slots
+        become ABSENT and the writes carrying them are tombstoned."""
+        if not len(slots):
+            return
+        self._hits.invalidate(slots, self._slots)
+        mark_absent(slots, self._writes, self._slots, tombstones)
+        self.counters.draft_rows_rejected += len(slots)
+
+    def _report(self, step: Step, computed: Mapping[ReqId, int]) -> None:
+        """SPEC-2: a consume reports computed counts after its step's sampler: they confirm
+        the step's drafts for its delivery (the slots roll back at the next start).
+
+        Raises:
+            BadInputError: A count outside the drafts' range; nothing changes.
+        """
+        index = {r: i for i, r in enumerate(step.req_ids)}
+        found: list[tuple[int, int]] = []
+        for req_id, count in computed.items():
+            i = index.get(req_id)
+            if i is None or i not in step.unconfirmed:
+                continue
+            if not step.valid[i] <= count <= step.hi[i]:
+                raise BadInputError(
+                    what=f"computed-token count of request {req_id!r}",
+                    expected=f"a count in [{int(step.valid[i])}, {int(step.hi[i])}] "
+                    f"(step {step.step_id}'s drafts)",
+                    got=str(count),
+                )
+            found.append((i, count))
+        for i, count in found:
+            step.valid[i] = count
+            step.unconfirmed.discard(i)
+            p = self._drafts.pending_of(int(step.entries[i]))
+            if p is not None and p.step_id == step.step_id:
+                p.reported = count
 
     def _end_step(self, step: Step) -> None:
         """D5: a step ends (discarded, consumed, or refused): its page holder and reads go."""

@@ -14,6 +14,11 @@ class CoreCounters:
 
     __slots__ = (
         "budget_flushes",
+        "draft_rows",
+        "draft_rows_accepted",
+        "draft_rows_read_back",
+        "draft_rows_rejected",
+        "draft_rows_unconfirmed",
         "hit_requests",
         "hit_rows",
         "page_timeouts",
@@ -35,3 +40,10 @@ class CoreCounters:
         self.page_timeouts = 0
         self.wait_timeouts = 0
         self.writes_failed = 0
+        #: Draft rows saved, and what became of them (SPEC): accepted, rejected, left
+        #: unconfirmed by an end or a preemption, and accepted rows read back by a later save.
+        self.draft_rows = 0
+        self.draft_rows_accepted = 0
+        self.draft_rows_rejected = 0
+        self.draft_rows_unconfirmed = 0
+        self.draft_rows_read_back = 0

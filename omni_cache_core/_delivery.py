@@ -168,6 +168,11 @@ class Admissions:
         """Whether some live request is preempted."""
         return self._num_preempted > 0
 
+    @property
+    def entries_by_request(self) -> dict[ReqId, int]:
+        """Live requests and their admission entries (callers only read it)."""
+        return self._entry_of
+
     def entry_of(self, req_id: ReqId) -> int:
         """The live request's admission entry."""
         return self._entry_of[req_id]

@@ -20,7 +20,7 @@ decide slot ownership, task states, positions (DLV) or when a step ends.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -228,16 +228,24 @@ class HitReads:
         hits: list[tuple[ReqId, tuple[int, ...], int]],
         tables: SlotTables,
         hit_keys: list[TensorName],
+        catch_up: Sequence[tuple[ReqId, SlotArray, int]] = (),
     ) -> list[PrefetchRead]:
         """Open one read per hit and cached key; ask to prefetch its committed rows (HIT-7).
 
         `hits`: per request, its hit's block ids and first position (above 0 for a resume:
-        DLV-3). Every hit's slots come from one array and one gather per key, so a step with
-        many hits costs a few numpy calls per key, not per hit.
+        DLV-3). `catch_up`: per request, the slots of accepted draft rows its last step did
+        not hand out, and their first position (SPEC-4); they are read like a hit. Every hit's
+        slots come from one array and one gather per key, so a step with many hits costs a few
+        numpy calls per key, not per hit.
         """
         block_size = self._block_size
         every = _block_slots(list(itertools.chain.from_iterable(b for _, b, _ in hits)), block_size)
-        bounds = [0, *itertools.accumulate(len(b) * block_size for _, b, _ in hits)]
+        sizes = [len(b) * block_size for _, b, _ in hits]
+        if catch_up:
+            every = np.concatenate([every, *(slots for _, slots, _ in catch_up)])
+            sizes += [len(slots) for _, slots, _ in catch_up]
+            hits = [*hits, *((r, (), first) for r, _, first in catch_up)]
+        bounds = [0, *itertools.accumulate(sizes)]
         first_id = self._next_read_id
         self._next_read_id += len(hits) * len(hit_keys)
         # The usual hit: every row is in the pool (owner COMMITTED, code 0).
@@ -279,7 +287,7 @@ class HitReads:
     # Saves.
 
     def check_layout(self, unique: frozenset[ReqId]) -> None:
-        """D10, SPEC section 13: a save carries every pending hit and no lost one.
+        """D10, SPEC section 14: a save carries every pending hit and no lost one.
 
         Raises:
             BadInputError: It does not; nothing changes.
@@ -293,7 +301,7 @@ class HitReads:
                 got=f"requests that lost their hit: {lost}",
             )
         if self._start_hits and not self._start_hits.keys() <= unique:
-            # SPEC section 13: a hit that cannot be served must raise, never vanish. A request
+            # SPEC section 14: a hit that cannot be served must raise, never vanish. A request
             # that starts with a hit is scheduled in that very step by every engine we know.
             dropped = sorted(self._start_hits.keys() - unique)[:4]
             raise BadInputError(
@@ -301,6 +309,28 @@ class HitReads:
                 expected="every request that started with a hit this step",
                 got=f"hit requests missing from the layout: {dropped}",
             )
+
+    def invalidate(self, slots: SlotArray, tables: SlotTables) -> None:
+        """SPEC-3: a planned read of rows that are now rejected drafts can never be served.
+
+        Rows it planned on at their current version are the rejected rows themselves (older
+        versions were preserved or counted when the drafts claimed them: HIT-6); each counts
+        as a violation, so its consume raises instead of serving them.
+        """
+        if not self._reads:
+            return
+        ordered = np.sort(slots)
+        for read in self._reads.values():
+            plan = read.plan
+            table = tables.get(plan.key)
+            if table is None:
+                continue
+            hit = _member(ordered, plan.slots) & ~plan.preserved
+            if not any_true(hit):
+                continue
+            positions = np.flatnonzero(hit)
+            same = table.version[plan.slots[positions]] == read.version[positions]
+            read.violated += int(np.count_nonzero(same))
 
     def copy_on_write(self, slots: SlotArray, tables: SlotTables) -> list[Preserve]:
         """HIT-6: preserve committed rows older reads planned on, before `slots` change."""

@@ -399,6 +399,20 @@ def check_save_shape(inp: SaveBegin, num_slots: int) -> None:
             expected=f"contiguous row ranges from 0 to {n} in batch order",
             got=f"bounds {bounds.tolist()[:8]}... for {len(inp.req_ids)} requests",
         )
+    drafts = inp.drafts
+    if drafts is not None and (
+        len(drafts) != len(inp.req_ids)
+        or (
+            len(drafts)
+            and (drafts.min() < 0 or any_true(drafts >= np.maximum(bounds[1:] - bounds[:-1], 1)))
+        )
+    ):
+        raise BadInputError(
+            what="draft rows",
+            expected="per request a count in [0, rows): a request's first row is its confirmed "
+            "token (SPEC-1)",
+            got=f"{drafts.tolist()[:8]} for rows {(bounds[1:] - bounds[:-1]).tolist()[:8]}",
+        )
     # argmin/argmax: a fraction of min()/max()'s fixed cost on a decode step's few slots.
     if n and (slots[slots.argmin()] < 0 or slots[slots.argmax()] >= num_slots):
         raise BadInputError(

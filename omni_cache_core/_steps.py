@@ -61,6 +61,8 @@ class Step:
         "row_bounds",
         "step_id",
         "tid",
+        "unconfirmed",
+        "valid",
     )
 
     def __init__(
@@ -75,6 +77,7 @@ class Step:
         entries: Int64Array,
         lo: Int64Array,
         hi: Int64Array,
+        valid: Int64Array | None = None,
     ) -> None:
         self.step_id = step_id
         self.page = page
@@ -89,19 +92,30 @@ class Step:
         self.entries = entries
         self.lo = lo
         self.hi = hi
+        #: Per request, one past the last position that may be handed out: `hi`, except that
+        #: draft rows count only once confirmed (SPEC-1, SPEC-2). Its own array when the step
+        #: has drafts (a confirmation raises it in place), else `hi` itself.
+        self.valid = hi if valid is None else valid
+        #: Layout indexes of the requests whose draft rows here are not confirmed yet.
+        self.unconfirmed: set[int] = (
+            set() if valid is None else set(np.flatnonzero(valid < hi).tolist())
+        )
         self.consuming = False
         self.consume_deadline_ns: int | None = None
         #: While a materialize consumes it: the entries it delivered to, their cursors before
         #: and after (a failed build puts them back: D19).
         self.handed: tuple[Int64Array, ...] | None = None
 
-    def select(self, requested: tuple[ReqId, ...]) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """The entries and positions ``[lo, hi)`` of `requested`, a subset of the layout."""
+    def select(
+        self, requested: tuple[ReqId, ...]
+    ) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
+        """The entries, positions ``[lo, hi)`` and confirmed ends of `requested`, a subset of
+        the layout."""
         if requested == self.req_ids:
-            return self.entries, self.lo, self.hi
+            return self.entries, self.lo, self.hi, self.valid
         index = {r: i for i, r in enumerate(self.req_ids)}
         at = np.fromiter((index[r] for r in requested), dtype=np.int64, count=len(requested))
-        return self.entries[at], self.lo[at], self.hi[at]
+        return self.entries[at], self.lo[at], self.hi[at], self.valid[at]
 
 
 class Steps:
@@ -242,7 +256,7 @@ class Steps:
         Raises:
             DeliveryOrderError: An earlier step owes rows; nothing changes.
         """
-        gives = hi > cursor  # the cursor would move to hi
+        gives = hi > cursor  # the cursor would move to hi (the step's confirmed ends)
         if not any_true(gives):
             return
         for other in self._steps.values():  # in step id order
@@ -250,7 +264,7 @@ class Steps:
                 return
             if other.consuming:
                 continue  # its rows are handed out already
-            owes = other.hi > np.maximum(other.lo, cursors[other.entries])
+            owes = other.valid > np.maximum(other.lo, cursors[other.entries])
             if not any_true(owes):
                 continue
             blocked = gives & np.isin(entries, other.entries[owes])
@@ -261,7 +275,7 @@ class Steps:
                     req_id=requested[i],
                     step_id=step.step_id,
                     earlier_step_id=other.step_id,
-                    gap=(max(int(other.lo[j]), int(cursor[i])), int(other.hi[j])),
+                    gap=(max(int(other.lo[j]), int(cursor[i])), int(other.valid[j])),
                 )
 
     def snapshot(self, reads: Callable[[StepId], Any]) -> tuple[Any, ...]:
@@ -282,6 +296,7 @@ class Steps:
                     reads(s.step_id),
                     tuple(s.lo.tolist()),
                     tuple(s.hi.tolist()),
+                    tuple(s.valid.tolist()),
                 )
                 for s in self._steps.values()
             ),
@@ -303,5 +318,6 @@ class Steps:
             if not (
                 len(step.entries) == len(step.req_ids) == len(step.lo) == len(step.hi)
                 and bool((step.lo <= step.hi).all())
+                and bool((step.lo <= step.valid).all() and (step.valid <= step.hi).all())
             ):
                 raise InvariantError(f"step {step.step_id}: positions do not match its layout")

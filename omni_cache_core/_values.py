@@ -10,6 +10,7 @@ use ``eq=False`` (the canonical, comparable state is `CacheCore.snapshot()`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TypeAlias
 
 import attrs
@@ -129,6 +130,8 @@ class SaveBegin:
         deferred_keys: Deferred keys this step emitted as step-token tensors.
         immediate_bytes: Bytes of the immediate device clones (BUDGET-1).
         deferred_bytes: Bytes of the deferred device clones (BUDGET-1).
+        drafts: Per request, how many of its rows, at the end of its range, are draft tokens
+            whose acceptance is not known yet (SPEC-1); None when the step has none.
     """
 
     now_ns: int
@@ -140,6 +143,7 @@ class SaveBegin:
     deferred_keys: tuple[TensorName, ...] = ()
     immediate_bytes: int = 0
     deferred_bytes: int = 0
+    drafts: SlotArray | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -163,11 +167,17 @@ class SaveAbort:
 
 @attrs.frozen(kw_only=True)
 class ConsumeBegin:
-    """Consume a step: `materialize` (``req_ids`` given) or `discard_step` (``None``)."""
+    """Consume a step: `materialize` (``req_ids`` given) or `discard_step` (``None``).
+
+    ``computed``: per request, its computed-token count as the engine knows it after this
+    step's sampler, when the consumer reports it: it confirms the step's draft rows below it
+    (SPEC-2). Requests without drafts in the step are not checked.
+    """
 
     step_id: StepId
     req_ids: tuple[ReqId, ...] | None
     now_ns: int
+    computed: Mapping[ReqId, int] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -403,6 +413,9 @@ class ConsumePlan:
         skip: Per requested request, how many of the rows the step carries for it (hit rows,
             then its own rows) come before its start and are not handed out again (DLV-2);
             None when that is 0 for every request, as it is without preemption.
+        cut_tail: Whether some request is handed fewer rows than it carries after `skip`:
+            draft rows not confirmed, or rejected (SPEC-1). Each request then gets exactly
+            ``ends - starts`` rows.
 
     Report with: ConsumeEnd (not for a discard).
     """
@@ -415,6 +428,7 @@ class ConsumePlan:
     starts: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
     ends: npt.NDArray[np.int64] = attrs.field(factory=lambda: np.zeros(0, np.int64))
     skip: npt.NDArray[np.int64] | None = None
+    cut_tail: bool = False
 
     @property
     def positions(self) -> npt.NDArray[np.int64]:
@@ -458,8 +472,9 @@ Effect: TypeAlias = (
 # exhaustively, so an effect that an input starts returning without a handler fails the type
 # check instead of reaching the adapter's `assert_never`.
 
-StartEffect: TypeAlias = EscalateTasks | PrefetchRead
-"""What `CacheCore.start_step` returns: escalations of ended requests' writes, hit prefetches."""
+StartEffect: TypeAlias = EscalateTasks | PrefetchRead | Tombstone
+"""What `CacheCore.start_step` returns: escalations of ended requests' writes, tombstones of
+rejected draft rows (SPEC-3), hit prefetches."""
 
 SaveProceedEffect: TypeAlias = AwaitTasks | EscalateTasks | AwaitPage | PageClaimed
 """What `CacheCore.save_proceed` returns: a wait, a budget flush to run first, or the page."""

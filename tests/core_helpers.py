@@ -127,9 +127,15 @@ def resumed(
     )
 
 
-def start(core: CacheCore, *events: PrefixCacheRequestEvent, now_ns: int = 0) -> tuple[Effect, ...]:
-    """Feed one step's lifecycle records."""
-    return core.start_step(StartStep(step=PrefixCacheStep(events=events), now_ns=now_ns))
+def start(
+    core: CacheCore,
+    *events: PrefixCacheRequestEvent,
+    now_ns: int = 0,
+    computed: dict[str, int] | None = None,
+) -> tuple[Effect, ...]:
+    """Feed one step's lifecycle records (and computed-token counts: SPEC-2)."""
+    step = PrefixCacheStep(events=events, computed_tokens=computed or {})
+    return core.start_step(StartStep(step=step, now_ns=now_ns))
 
 
 def save_input(
@@ -140,6 +146,7 @@ def save_input(
     immediate_bytes: int = 0,
     deferred_bytes: int = 0,
     now_ns: int = 0,
+    drafts: Sequence[int] | None = None,
 ) -> SaveBegin:
     """Build a `SaveBegin` from ``[(req, slots), ...]`` in batch order.
 
@@ -161,6 +168,7 @@ def save_input(
         deferred_keys=tuple(TensorName(k) for k in deferred),
         immediate_bytes=immediate_bytes,
         deferred_bytes=deferred_bytes,
+        drafts=None if drafts is None else np.asarray(drafts, dtype=np.int64),
     )
 
 
@@ -242,11 +250,17 @@ def consume(
     *,
     now_ns: int = 0,
     end: bool = True,
+    computed: dict[str, int] | None = None,
 ) -> ConsumePlan:
-    """Discard a step (`req_ids` None) or materialize it, landing the writes its hits wait on."""
+    """Discard a step (`req_ids` None) or materialize it, landing the writes its hits wait on.
+
+    `computed`: the computed-token counts the materialize reports (SPEC-2)."""
     wanted = None if req_ids is None else tuple(ReqId(r) for r in req_ids)
+    reported = None if computed is None else {ReqId(r): c for r, c in computed.items()}
     for _ in range(100):
-        result = core.consume_begin(ConsumeBegin(step_id=step_id, req_ids=wanted, now_ns=now_ns))
+        result = core.consume_begin(
+            ConsumeBegin(step_id=step_id, req_ids=wanted, now_ns=now_ns, computed=reported)
+        )
         if isinstance(result, ConsumePlan):
             if end and not result.discard:
                 core.consume_end(ConsumeEnd(step_id=step_id))
