@@ -49,7 +49,12 @@ class ConsumePath:
         self._pool = state.pool
         self._pages = state.pages
 
-    def materialize(self, step_id: object, req_ids: Sequence[str]) -> StageCacheOutputs:
+    def materialize(
+        self,
+        step_id: object,
+        req_ids: Sequence[str],
+        computed_tokens: Mapping[str, int] | None = None,
+    ) -> StageCacheOutputs:
         """Return the requests' merged outputs of a saved step, consuming its id (STEP-1).
 
         Blocks for the hit join and the gathers, never under the state lock.
@@ -64,7 +69,8 @@ class ConsumePath:
                 expected="a sequence of request ids",
                 got="a str" if isinstance(req_ids, str) else type(req_ids).__name__,
             )
-        plan, ctx, records = self._effects.consume(checked_id, wanted)
+        computed = _checked_counts(computed_tokens)
+        plan, ctx, records = self._effects.consume(checked_id, wanted, computed)
         delivered = False
         try:
             out = self._build(plan, ctx, records, wanted)
@@ -128,14 +134,24 @@ class ConsumePath:
             current[key] = host[:n] if isinstance(host, torch.Tensor) else rows.cpu()
         reads = {(r.req_id, r.key): r for r in plan.reads}
         rows_of = {req: ctx.req_rows[req] for req in wanted}
-        # DLV-2: rows of positions already delivered (after a preemption) are cut off the front.
+        # DLV-2: rows of positions already delivered (after a preemption) are cut off the front;
+        # SPEC-1: draft rows not confirmed (or rejected) off the back.
         skips: dict[str, int] = {}
-        if plan.skip is not None:
-            skips = {r: k for r, k in zip(wanted, plan.skip.tolist(), strict=True) if k}
+        takes: dict[str, int] = {}
+        if plan.skip is not None or plan.cut_tail:
             hit_len: dict[str, int] = {r.req_id: len(r.slots) for r in plan.reads}
-            for req, k in skips.items():
+            if plan.skip is not None:
+                skips = {r: k for r, k in zip(wanted, plan.skip.tolist(), strict=True) if k}
+            if plan.cut_tail:
+                takes = dict(zip(wanted, (plan.ends - plan.starts).tolist(), strict=True))
+            for req in {*skips, *takes}:
                 start, end = rows_of[req]
-                rows_of[req] = (min(end, start + max(0, k - hit_len.get(req, 0))), end)
+                hit, k = hit_len.get(req, 0), skips.get(req, 0)
+                start = min(end, start + max(0, k - hit))
+                if req in takes:
+                    # The request's own rows end where its handed rows end.
+                    end = min(end, max(start, rows_of[req][0] + k + takes[req] - hit))
+                rows_of[req] = (start, end)
 
         # One split per key makes every request's view at once (a decode step has hundreds).
         sizes = [end - start for start, end in ctx.req_rows.values()]
@@ -158,6 +174,8 @@ class ConsumePath:
                     out[req] = full
             for req, k in skips.items():
                 out[req] = out[req][k:]
+            for req, take in takes.items():
+                out[req] = out[req][:take]
             return out
 
         hidden_states = None
@@ -170,7 +188,7 @@ class ConsumePath:
                     else {
                         req: self._hit_only(
                             reads.get((cast(ReqId, req), key)), records, ctx, current, key
-                        )[skips.get(req, 0) :]
+                        )[skips.get(req, 0) :][: takes.get(req)]
                         for req in rows_of
                     }
                 )
@@ -314,6 +332,26 @@ class ConsumePath:
             picked = rows.index_select(0, index.to(rows.device, non_blocking=False)).to("cpu")
         stream.synchronize()
         return picked
+
+
+def _checked_counts(counts: Mapping[str, int] | None) -> dict[ReqId, int] | None:
+    """A private copy of a materialize's computed-token counts, checked (FAIL-5).
+
+    Raises:
+        BadInputError: Not a mapping of str to int >= 0; nothing changes.
+    """
+    if counts is None:
+        return None
+    if not isinstance(counts, Mapping) or not all(
+        isinstance(r, str) and isinstance(c, int) and not isinstance(c, bool) and c >= 0
+        for r, c in counts.items()
+    ):
+        raise BadInputError(
+            what="materialize computed_tokens",
+            expected="a mapping of request id (str) to a count (int >= 0), or None",
+            got=type(counts).__name__,
+        )
+    return {cast(ReqId, r): c for r, c in counts.items()}
 
 
 def _as_tuple(items: Any) -> tuple[Any, ...] | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import assert_never, cast
 
 import torch
@@ -93,6 +93,8 @@ class EffectInterpreter:
                         start_reads.add(effect.read_id)
                         if state.prefetcher is not None:
                             prefetch.append((state.record(effect.read_id), effect))
+                    case Tombstone():
+                        self._tombstone(effect)
                     case _:
                         assert_never(effect)
             state.start_reads = start_reads
@@ -208,9 +210,7 @@ class EffectInterpreter:
                         # Events on one stream are ordered: the newest freeze covers every chunk.
                         job.freeze_event = ctx.freeze_event or job.freeze_event
                     case Tombstone():
-                        tombstoned = jobs.get(effect.tid)
-                        if tombstoned is not None:
-                            tombstoned.add_tombstone(effect.key, torch.from_numpy(effect.slots))
+                        self._tombstone(effect)
                     case Preserve():
                         preserves.append((state.record(effect.read_id), effect))
                     case _:
@@ -223,6 +223,12 @@ class EffectInterpreter:
             ctx.task_jobs = {tid: jobs[tid] for _, tids in reads for tid in tids if tid in jobs}
             state.steps[step_id] = ctx
         return step_id, preserves
+
+    def _tombstone(self, effect: Tombstone) -> None:
+        """SLOT-2, SPEC-3: the write must never put these rows in the pool (under the lock)."""
+        tombstoned = self._state.jobs.get(effect.tid)
+        if tombstoned is not None:
+            tombstoned.add_tombstone(effect.key, torch.from_numpy(effect.slots))
 
     def preserve_rows(self, record: ReadRecord, effect: Preserve) -> None:
         """Copy pool rows into a read before a newer write overwrites them (HIT-6)."""
@@ -237,7 +243,10 @@ class EffectInterpreter:
     # Consume.
 
     def consume(
-        self, step_id: StepId, wanted: tuple[str, ...] | None
+        self,
+        step_id: StepId,
+        wanted: tuple[str, ...] | None,
+        computed: Mapping[ReqId, int] | None = None,
     ) -> tuple[ConsumePlan, StepContext, dict[int, ReadRecord]]:
         """Consume a step id: its plan, its context and its reads' records (STEP-1, CONC-3).
 
@@ -261,7 +270,10 @@ class EffectInterpreter:
                     try:
                         effect: ConsumeEffect = core.consume_begin(
                             ConsumeBegin(
-                                step_id=step_id, req_ids=req_ids, now_ns=time.monotonic_ns()
+                                step_id=step_id,
+                                req_ids=req_ids,
+                                now_ns=time.monotonic_ns(),
+                                computed=computed,
                             )
                         )
                     except OmniPrefixCacheUnmatchError:

@@ -284,8 +284,14 @@ class OmniPrefixCacheManager:
         num_tokens_unpadded: int,
         num_tokens_padded: int | None = None,
         write_layout: PrefixCacheWriteLayout,
+        draft_tokens: Mapping[str, int] | None = None,
     ) -> StepId:
         """Save a step's outputs after its forward; return the step id to consume exactly once.
+
+        ``draft_tokens``: with speculative decoding, how many of each request's rows, at the
+        end of its range, are draft tokens (SPEC-1). They are handed out only once a
+        computed-token count confirms them (`PrefixCacheStep.computed_tokens`, or
+        ``computed_tokens`` of `materialize`); a request absent from it has none.
 
         Copies the cached rows into a staging page (on CUDA: clones on the compute stream, a
         freeze event, and a non-blocking copy on the copy stream), registers the step's write
@@ -307,13 +313,27 @@ class OmniPrefixCacheManager:
             WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
             ShutDownError: The cache is shut down.
         """
-        return self._save.save(hidden, mm, num_tokens_unpadded, num_tokens_padded, write_layout)
+        return self._save.save(
+            hidden, mm, num_tokens_unpadded, num_tokens_padded, write_layout, draft_tokens
+        )
 
     # -----------------------------------------------------------------------------------------
     # Any thread: consume.
 
-    def materialize(self, step_id: StepId, req_ids: Sequence[str]) -> StageCacheOutputs:
+    def materialize(
+        self,
+        step_id: StepId,
+        req_ids: Sequence[str],
+        *,
+        computed_tokens: Mapping[str, int] | None = None,
+    ) -> StageCacheOutputs:
         """Return the requests' merged outputs of a saved step, consuming its id (STEP-1).
+
+        ``computed_tokens``: per request, its computed-token count after this step's sampler,
+        when the caller knows it: it confirms the step's draft rows below it, which are then
+        handed out now (SPEC-2). Without it a draft row is handed out once the next step's
+        `PrefixCacheStep.computed_tokens` confirms it: by this call if it comes after that
+        step starts, else by the request's next step (SPEC-4).
 
         Reads only what the save captured (STEP-3). Blocks while the immediate writes its hits
         read are still landing (HIT-3, bounded by ``staging_claim_timeout_s``) and for the
@@ -329,7 +349,7 @@ class OmniPrefixCacheManager:
             WriteFailedError: A write failed (FAIL-1); the cache must be discarded.
             ShutDownError: The cache is shut down.
         """
-        return self._consume.materialize(step_id, req_ids)
+        return self._consume.materialize(step_id, req_ids, computed_tokens)
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume a step id without reading it (STEP-1); its writes go on. Does not block.

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from omni_cache_core import (
@@ -62,6 +63,7 @@ class SavePath:
         num_tokens_unpadded: int,
         num_tokens_padded: int | None,
         write_layout: PrefixCacheWriteLayout,
+        draft_tokens: Mapping[str, int] | None = None,
     ) -> StepId:
         """Save a step's outputs; return its step id (see `OmniPrefixCacheManager.save_outputs`).
 
@@ -120,6 +122,7 @@ class SavePath:
             deferred_keys=tuple(parts.deferred),
             immediate_bytes=immediate_bytes,
             deferred_bytes=deferred_bytes,
+            drafts=_draft_rows(draft_tokens, req_ids),
         )
         with state.lock:
             state.drain()
@@ -296,3 +299,33 @@ def _has_cuda_tensor(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_has_cuda_tensor(v) for v in value)
     return False
+
+
+def _draft_rows(
+    draft_tokens: Mapping[str, int] | None, req_ids: tuple[ReqId, ...]
+) -> npt.NDArray[np.int64] | None:
+    """Draft rows per request in layout order (SPEC-1), or None when there are none.
+
+    Raises:
+        BadInputError: Not a mapping of request ids to ints, or a count for a request the
+            layout does not name; nothing changes.
+    """
+    if not draft_tokens:
+        return None
+    if not isinstance(draft_tokens, Mapping) or not draft_tokens.keys() <= set(req_ids):
+        raise BadInputError(
+            what="draft_tokens",
+            expected="a mapping of request ids of the layout to draft-token counts",
+            got=type(draft_tokens).__name__
+            if not isinstance(draft_tokens, Mapping)
+            else f"ids outside the layout: {sorted(draft_tokens.keys() - set(req_ids))[:4]}",
+        )
+    try:
+        drafts = np.fromiter(
+            (draft_tokens.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+    except (TypeError, ValueError, OverflowError):
+        raise BadInputError(
+            what="draft_tokens", expected="int counts", got=repr(list(draft_tokens.values())[:4])
+        ) from None
+    return drafts

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "spec" / "SPEC.md"
 RULES = ROOT / "spec" / "RULES.md"
 
-RULE_ID = r"(?:STEP|PAGE|SLOT|TASK|BUDGET|HIT|OUT|FAIL|CONC|DEV|LIFE|DLV)-\d+"
+RULE_ID = r"(?:STEP|PAGE|SLOT|TASK|BUDGET|HIT|OUT|FAIL|CONC|DEV|LIFE|DLV|SPEC)-\d+"
 DECISION_ID = r"D\d+"
 #: A rule is defined by a bullet that starts with its id ("- STEP-1 Every save ...").
 SPEC_BULLET = re.compile(rf"^\s*[-*]\s+({RULE_ID})\b", re.MULTILINE)
@@ -40,6 +40,7 @@ ADAPTER_TEST_FILES = (
     "tests/test_adapter_scenarios.py",
     "tests/test_adapter_concurrency.py",
     "tests/test_adapter_resume.py",
+    "tests/test_adapter_speculative.py",
     "tests/test_adapter_stateful.py",
     "tests/gpu/test_gpu_conformance.py",
     "tests/test_readme_example.py",

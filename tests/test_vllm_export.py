@@ -83,7 +83,7 @@ def test_a_callable_sink_is_resolved_before_an_engine_starts() -> None:
         ({"sink": "tests.test_vllm_export:NOT_CALLABLE"}, "sink"),
         ({"sink_dir": "d", "enable_prefix_caching": False}, "enable_prefix_caching"),
         ({"sink_dir": "d", "worker_cls": "my.Worker"}, "worker_cls"),
-        ({"sink_dir": "d", "speculative_config": {"method": "ngram"}}, "speculative_config"),
+        ({"sink_dir": "d", "speculative_config": {"method": "ngram"}}, "async_scheduling"),
         ({"sink_dir": "d", "kv_transfer_config": {"kv_connector": "X"}}, "kv_transfer_config"),
         ({"sink_dir": "d", "additional_config": [1]}, "additional_config"),
         ({"sink_dir": "d", "additional_config": {ADDITIONAL_CONFIG_KEY: {}}}, "additional_config"),

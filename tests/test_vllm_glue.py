@@ -216,7 +216,12 @@ def test_from_vllm_config_follows_a_named_full_attention_group() -> None:
     ("config", "kv", "kv_group", "field"),
     [
         (vllm_config(enable_prefix_caching=False), kv_config(full()), None, "enable_prefix"),
-        (vllm_config(speculative_config=object()), kv_config(full()), None, "speculative"),
+        (
+            vllm_config(speculative_config=SimpleNamespace(method="ngram")),
+            kv_config(full()),
+            None,
+            "speculative",
+        ),
         (vllm_config(kv_transfer_config=object()), kv_config(full()), None, "kv_transfer"),
         (vllm_config(), kv_config(full(), full()), None, "kv_cache_groups"),
         (vllm_config(), kv_config(SlidingWindowSpec(block_size=16)), None, "kv_cache_groups"),
@@ -229,7 +234,7 @@ def test_from_vllm_config_follows_a_named_full_attention_group() -> None:
     ],
     ids=[
         "prefix-caching-off",
-        "speculative-decoding",
+        "speculative-decoding-with-async-scheduling",
         "kv-connector",
         "two-groups",
         "sliding-window-only",

@@ -13,13 +13,14 @@ from typing import Any
 from omni_cache_core import ConfigError
 
 __all__ = [
+    "SPECULATIVE_METHODS_CHECKED",
+    "check_speculative_decoding",
     "checked_block_size",
     "followed_kv_group",
     "is_full_attention",
     "max_concurrent_batches",
     "refuse_kv_connector",
     "refuse_partial_block_hits",
-    "refuse_speculative_decoding",
     "refuse_without_prefix_caching",
 ]
 
@@ -50,15 +51,30 @@ def refuse_without_prefix_caching(cache_config: Any) -> None:
         )
 
 
-def refuse_speculative_decoding(vllm_config: Any) -> None:
-    """Refuse speculative decoding: draft tokens are rejected after their rows are saved."""
+#: Speculative methods whose scheduling was checked: n-gram drafts drive vLLM 0.33's real
+#: scheduler in tests/vllm; EAGLE-style and MTP drafters reach the scheduler through the same
+#: ``scheduled_spec_decode_tokens`` and ``num_computed_tokens`` (the drafter runs after the
+#: target model's forward, whose rows are the ones cached), and their configs are accepted.
+SPECULATIVE_METHODS_CHECKED = ("ngram", "eagle", "eagle3", "mtp")
+
+
+def check_speculative_decoding(vllm_config: Any, depth: int) -> None:
+    """SPEC-2: speculative decoding needs each step's acceptance in the next scheduler output.
+
+    Under async scheduling (or any other batch queue deeper than one step) the next step is
+    scheduled before this one's rejections are known, so its computed-token counts cannot say
+    which drafts were accepted (``shared/notes/vllm-speculative.md``): refused.
+    """
     speculative = getattr(vllm_config, "speculative_config", None)
-    if speculative is not None:
+    if speculative is None:
+        return
+    if depth > 1:
         raise ConfigError(
             field="speculative_config",
-            value=type(speculative).__name__,
-            expected="None: speculative decoding is not supported (rejected draft tokens "
-            "would leave saved rows no token owns)",
+            value=getattr(speculative, "method", type(speculative).__name__),
+            expected="synchronous scheduling (async_scheduling=False, one batch in flight): "
+            "with more steps in flight the scheduler output does not say which drafts were "
+            f"accepted; got {depth} batches in flight",
         )
 
 

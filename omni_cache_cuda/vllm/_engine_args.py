@@ -37,8 +37,6 @@ _SINK_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 # Engine arguments the integration cannot serve with, and why (the same refusals as
 # `VllmPrefixCache.from_vllm_config`, given here so the caller hears them before an engine starts).
 _REFUSED: dict[str, str] = {
-    "speculative_config": "None: speculative decoding is not supported (rejected draft tokens "
-    "would leave saved rows no token owns)",
     "kv_transfer_config": "None: tokens a KV connector loads were never computed here, so a hit "
     "on them has no rows",
 }
@@ -152,7 +150,7 @@ def hidden_states_engine_args(
     Raises:
         ConfigError: Neither sink is given, a sink is malformed or does not import, or an engine
             argument contradicts the integration (prefix caching off, another ``worker_cls``,
-            speculative decoding, a KV connector, an ``additional_config`` that is not a
+            speculative decoding without ``async_scheduling=False``, a KV connector, an ``additional_config`` that is not a
             mapping). The worker still checks the final config with the refusals of
             `VllmPrefixCache.from_vllm_config`.
     """
@@ -172,6 +170,17 @@ def hidden_states_engine_args(
     for field, expected in _REFUSED.items():
         if options.get(field) is not None:
             raise ConfigError(field=field, value=options[field], expected=expected)
+    if (
+        options.get("speculative_config") is not None
+        and options.get("async_scheduling") is not False
+    ):
+        # SPEC-2: the next step's scheduler output must say which drafts were accepted.
+        raise ConfigError(
+            field="async_scheduling",
+            value=options.get("async_scheduling"),
+            expected="False with a speculative_config: under async scheduling the next "
+            "step is scheduled before this one's drafts are accepted or rejected",
+        )
     extra = options.get("additional_config") or {}
     if not isinstance(extra, Mapping) or ADDITIONAL_CONFIG_KEY in extra:
         raise ConfigError(

@@ -297,8 +297,10 @@ class HiddenStatesExport:
         self._close_timeout_s = close_timeout_s
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._failure: BaseException | None = None
-        # Engine thread: steps saved and not yet materialized (at most one step's worth).
+        # Engine thread: steps saved and not yet materialized (at most one step's worth), with
+        # the token ids their sampler produced when the step had drafts (SPEC-2).
         self._saved: list[tuple[StepId, tuple[str, ...]]] = []
+        self._sampled: dict[StepId, dict[str, Sequence[int]]] = {}
         self._closed = False
         # Output thread only: each tracked request's delivered parts, in delivery order.
         self._parts: dict[str, list[tuple[int, int, torch.Tensor | None, dict[str, Any]]]] = {}
@@ -318,7 +320,6 @@ class HiddenStatesExport:
         """Materialize the steps saved before, then `VllmPrefixCache.step_begin`; the rows and
         the requests this step ends go to the output thread, in that order."""
         self._raise_if_stopped()
-        self._materialize_saved()
         finished = scheduler_output.finished_req_ids
         ended: list[str] = []
         if finished:
@@ -329,6 +330,9 @@ class HiddenStatesExport:
         except BaseException as exc:
             self._stop(exc, "step_begin")
             raise
+        # After the records: a step's drafts are confirmed by then (SPEC-2). Its rows still
+        # reach the output thread before the requests this step ends.
+        self._materialize_saved()
         if ended:
             self._queue.put((_ENDED, ended))
 
@@ -356,12 +360,28 @@ class HiddenStatesExport:
         self._saved.append((step_id, tuple(req_ids)))
         return step_id
 
+    def step_sampled(self, output: Any) -> None:
+        """Keep the token ids the last saved step's sampler produced, when that step had drafts
+        (``ModelRunnerOutput``: ``req_ids`` and ``sampled_token_ids``, read duck-typed): its
+        materialize then hands out the accepted rows of requests that end before another
+        step confirms them (SPEC-5)."""
+        if not self._saved:
+            return
+        step_id = self._saved[-1][0]
+        sampled = getattr(output, "sampled_token_ids", None)
+        req_ids = getattr(output, "req_ids", None)
+        if sampled is None or req_ids is None or not self.cache.has_drafts(step_id):
+            return
+        self._sampled[step_id] = dict(zip(req_ids, sampled, strict=False))
+
     def _materialize_saved(self) -> None:
         """Materialize the steps saved since the last call; their rows go to the output thread."""
         while self._saved:
             step_id, req_ids = self._saved.pop(0)
             try:
-                out = self.cache.materialize(step_id, req_ids)
+                out = self.cache.materialize(
+                    step_id, req_ids, sampled_token_ids=self._sampled.pop(step_id, None)
+                )
             except BaseException as exc:
                 self._stop(exc, "materialize")
                 raise

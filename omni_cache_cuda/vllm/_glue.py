@@ -26,7 +26,10 @@ What a step's scheduler output carries (vLLM 0.33, as observed)
 - ``preempted_req_ids: set[str] | None``: requests preempted by this schedule (filled under both
   model runners, whatever its comment says). Each becomes PREEMPTED.
 - ``scheduled_new_reqs: list[NewRequestData]`` and ``scheduled_cached_reqs: CachedRequestData``.
-- ``scheduled_spec_decode_tokens`` (must be empty: no speculative decoding) and
+- ``scheduled_spec_decode_tokens``: per request with drafts, its draft token ids; they are
+  the last of its scheduled tokens (SPEC-1). After the step vLLM lowers the request's
+  ``num_computed_tokens`` by its rejected drafts, so the next output's count says which were
+  accepted (SPEC-2). And
   ``kv_cache_block_copies`` (copy-on-write KV block copies of partial-block hits; must be empty,
   as it is with one full-attention group whose hash block size is its block size).
 
@@ -190,11 +193,14 @@ def should_build_prefix_cache(
 class _OpenStep:
     """The step `step_begin` opened and no save has closed yet: what its layout reads."""
 
-    __slots__ = ("scheduled", "starts")
+    __slots__ = ("drafts", "scheduled", "starts")
 
-    def __init__(self, scheduled: Mapping[str, int], starts: Mapping[str, int]) -> None:
+    def __init__(
+        self, scheduled: Mapping[str, int], starts: Mapping[str, int], drafts: dict[str, int]
+    ) -> None:
         self.scheduled = scheduled  # tokens per scheduled request (the step's own copy)
         self.starts = starts  # where each scheduled request's tokens start
+        self.drafts = drafts  # draft tokens per request with any (SPEC-1)
 
 
 class VllmPrefixCache:
@@ -264,6 +270,9 @@ class VllmPrefixCache:
         )
         self._open_step: _OpenStep | None = None
         self._counts = dict.fromkeys(self._COUNTERS, 0)
+        #: Per saved step with drafts: each drafting request's first draft position, to turn
+        #: sampled token ids into computed counts at its materialize (SPEC-2).
+        self._draft_bases: dict[StepId, dict[str, int]] = {}
 
     # -----------------------------------------------------------------------------------------
     # Construction from vLLM's configs.
@@ -295,15 +304,14 @@ class VllmPrefixCache:
 
         Raises:
             ConfigError: Naming the field: prefix caching is off (there would be no hit to
-                serve); speculative decoding is on (draft tokens are rejected after the rows
-                are saved); a KV connector is configured (tokens it loads have no rows here);
+                serve); speculative decoding with async scheduling (the next scheduler output
+                cannot say which drafts were accepted: SPEC-2); a KV connector is configured (tokens it loads have no rows here);
                 the KV layout is not one full-attention group and ``kv_group`` names none; the
                 group's block size differs from the cache config's, or prefix hits land at a
                 finer granularity than a block (partial-block hits). Nothing is built.
         """
         cache_config = getattr(vllm_config, "cache_config", None)
         checks.refuse_without_prefix_caching(cache_config)
-        checks.refuse_speculative_decoding(vllm_config)
         checks.refuse_kv_connector(vllm_config)
         kv_group = checks.followed_kv_group(kv_cache_config, kv_group)
         block_size = checks.checked_block_size(kv_cache_config, kv_group, cache_config)
@@ -317,6 +325,7 @@ class VllmPrefixCache:
             model_config=getattr(vllm_config, "model_config", None),
         )
         depth = checks.max_concurrent_batches(vllm_config)
+        checks.check_speculative_decoding(vllm_config, depth)
         manager = OmniPrefixCacheManager(
             config, policy=policy, device=device, threaded=threaded, prefetch=prefetch
         )
@@ -356,14 +365,42 @@ class VllmPrefixCache:
         live.update(dict.fromkeys(self._translation.preempted, "preempted"))
         return live
 
-    def materialize(self, step_id: StepId, req_ids: Sequence[str]) -> StageCacheOutputs:
+    def materialize(
+        self,
+        step_id: StepId,
+        req_ids: Sequence[str],
+        *,
+        sampled_token_ids: Mapping[str, Sequence[int]] | None = None,
+    ) -> StageCacheOutputs:
         """`OmniPrefixCacheManager.materialize`: the merged outputs of a saved step (any
         thread). ``req_ids`` is the save's row order or any subset of it, never the runner's
-        live batch (it may have moved on)."""
-        return self.manager.materialize(step_id, req_ids)
+        live batch (it may have moved on).
+
+        With speculative decoding, ``sampled_token_ids`` (per request, the token ids this
+        step's sampler produced: vLLM's ``ModelRunnerOutput.sampled_token_ids``, the accepted
+        drafts and one more) confirms the step's drafts, so their accepted rows are handed out
+        by this call. Without it they are handed out once the next `step_begin` confirms them:
+        by this call if it comes after that, else by the request's next step; the drafts of a
+        request's last step are then never handed out (SPEC-2, SPEC-4, SPEC-5).
+        """
+        bases = self._draft_bases.pop(step_id, None)
+        computed = None
+        if bases and sampled_token_ids:
+            computed = {
+                r: bases[r] + max(len(ids) - 1, 0)
+                for r, ids in sampled_token_ids.items()
+                if r in bases
+            }
+        return self.manager.materialize(step_id, req_ids, computed_tokens=computed)
+
+    def has_drafts(self, step_id: StepId) -> bool:
+        """Whether the saved, unconsumed step carries draft tokens (its materialize then
+        takes ``sampled_token_ids``)."""
+        return step_id in self._draft_bases
 
     def discard_step(self, step_id: StepId) -> None:
         """`OmniPrefixCacheManager.discard_step`: consume a step id without reading it."""
+        self._draft_bases.pop(step_id, None)
         self.manager.discard_step(step_id)
 
     # -----------------------------------------------------------------------------------------
@@ -383,7 +420,8 @@ class VllmPrefixCache:
                 flight, or a new request arrives under an id that is still running.
             BadInputError: The output does not fit what was seen before (a running request
                 this object never saw started; a KV group index out of range), or asks for
-                what is not supported (speculative tokens, copy-on-write KV block copies).
+                what is not supported (copy-on-write KV block copies), or a computed-token count
+                outside the range of a request's drafts (SPEC-2).
             LifecycleError: The cache refused a record (for example RESUMED of a request
                 that was not preempted).
             ShutDownError, WriteFailedError: As for `OmniPrefixCacheManager.new_step_starts`.
@@ -391,12 +429,16 @@ class VllmPrefixCache:
         On any error nothing changed: the cache and this object's tracking are as before.
         """
         translated = self._translation.translate(scheduler_output)
-        step = PrefixCacheStep(events=translated.events, scheduled_tokens=translated.scheduled)
+        step = PrefixCacheStep(
+            events=translated.events,
+            scheduled_tokens=translated.scheduled,
+            computed_tokens=translated.computed,
+        )
         self.manager.new_step_starts(step)
         # The cache took the records: the translation state follows them. The step's own copy
         # of the scheduled counts is what its save and the reuse check read.
         self._translation.commit(translated, step.scheduled_tokens)
-        self._open_step = _OpenStep(step.scheduled_tokens, translated.starts)
+        self._open_step = _OpenStep(step.scheduled_tokens, translated.starts, translated.drafts)
         self._count(translated)
 
     def _count(self, step: StepTranslation) -> None:
@@ -456,13 +498,21 @@ class VllmPrefixCache:
                 got=f"{len(req_ids)} ids" if not isinstance(req_ids, str) else "a str",
             )
         layout = self.layout(req_ids)
+        drafts = self._open_step.drafts if self._open_step is not None else {}
         step_id = self.manager.save_outputs(
             hidden,
             mm,
             num_tokens_unpadded=num_tokens_unpadded,
             num_tokens_padded=num_tokens_padded,
             write_layout=layout,
+            draft_tokens=drafts or None,
         )
+        if drafts:
+            step = self._open_step
+            assert step is not None
+            self._draft_bases[step_id] = {
+                r: step.starts[r] + step.scheduled[r] - k for r, k in drafts.items()
+            }
         self._open_step = None
         return step_id
 

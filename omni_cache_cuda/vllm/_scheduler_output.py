@@ -80,11 +80,17 @@ class StepTranslation:
         joining: Requests starting or resuming in this step -> a copy of their block list.
         extending: Running requests and the block ids this step adds to their lists.
         starts: Where each scheduled request's tokens of this step start.
+        drafts: Requests with draft tokens in this step and how many (the last of their
+            scheduled tokens: SPEC-1).
+        computed: Computed-token counts of the requests whose earlier drafts this step
+            confirms (SPEC-2).
         resumed: How many of ``joining`` resume (the others start).
         started_with_hit, resumed_with_hit: How many of those start or resume on a prefix hit.
     """
 
     __slots__ = (
+        "computed",
+        "drafts",
         "ended",
         "events",
         "extending",
@@ -105,6 +111,8 @@ class StepTranslation:
         self.joining: dict[str, list[int]] = {}
         self.extending: list[tuple[str, Sequence[int]]] = []
         self.starts: dict[str, int] = {}
+        self.drafts: dict[str, int] = {}
+        self.computed: dict[str, int] = {}
         self.resumed = 0
         self.started_with_hit = 0
         self.resumed_with_hit = 0
@@ -170,6 +178,8 @@ class TranslationState:
 
     Attributes:
         running: Each running request's block list (group ``kv_group``), a private copy.
+        unconfirmed: Requests whose last saved step had draft tokens whose acceptance the
+            cache has not been told yet (SPEC-2).
         preempted: Requests vLLM preempted and has not resumed or ended: no blocks.
         in_flight: The scheduled counts of the previous steps the engine may still have in
             flight (the last ``max_concurrent_batches - 1``).
@@ -180,6 +190,7 @@ class TranslationState:
         self.max_concurrent_batches = max_concurrent_batches
         self.running: dict[str, list[int]] = {}
         self.preempted: set[str] = set()
+        self.unconfirmed: set[str] = set()
         self.in_flight: collections.deque[Collection[str]] = collections.deque(
             maxlen=max_concurrent_batches - 1
         )
@@ -193,6 +204,16 @@ class TranslationState:
         so = scheduler_output
         _refuse_unsupported(so)
         step = StepTranslation(so.num_scheduled_tokens)
+        spec = getattr(so, "scheduled_spec_decode_tokens", None)
+        if spec:
+            step.drafts = drafts = {r: len(ids) for r, ids in spec.items() if ids}
+            scheduled = step.scheduled
+            if any(k >= scheduled.get(r, 0) for r, k in drafts.items()):
+                raise BadInputError(
+                    what="scheduled_spec_decode_tokens",
+                    expected="fewer draft tokens than the request's scheduled tokens (SPEC-1)",
+                    got=str({r: (k, scheduled.get(r, 0)) for r, k in drafts.items()})[:120],
+                )
         self._finished(so.finished_req_ids, step)
         _preempted(getattr(so, "preempted_req_ids", None), step)
         self._new(so.scheduled_new_reqs, step)
@@ -204,6 +225,10 @@ class TranslationState:
     def commit(self, step: StepTranslation, scheduled: Collection[str]) -> None:
         """Apply an accepted step: ``scheduled`` is the step's own copy of its scheduled ids."""
         running, preempted = self.running, self.preempted
+        if self.unconfirmed or step.drafts:
+            unconfirmed = self.unconfirmed
+            unconfirmed.difference_update(step.computed, step.ended, step.preempting)
+            unconfirmed.update(step.drafts)
         for req_id in step.ended:
             running.pop(req_id, None)
             preempted.discard(req_id)
@@ -277,6 +302,9 @@ class TranslationState:
                 if added is not None and req_id not in step.joining:
                     step.extending.append((req_id, self._group_blocks(req_id, added)))
         step.starts.update(zip(req_ids, cached.computed, strict=True))
+        if self.unconfirmed:
+            # SPEC-2: vLLM lowered these counts by the rejected drafts of the last step.
+            step.computed = {r: step.starts[r] for r in running if r in self.unconfirmed}
 
     # -----------------------------------------------------------------------------------------
     # Helpers.
@@ -305,13 +333,7 @@ class TranslationState:
 
 
 def _refuse_unsupported(so: Any) -> None:
-    """Refuse speculative tokens and copy-on-write KV block copies."""
-    if getattr(so, "scheduled_spec_decode_tokens", None):
-        raise BadInputError(
-            what="scheduled_spec_decode_tokens",
-            expected="none (speculative decoding is not supported)",
-            got=f"draft tokens for {len(so.scheduled_spec_decode_tokens)} requests",
-        )
+    """Refuse copy-on-write KV block copies."""
     if getattr(so, "kv_cache_block_copies", None):
         raise BadInputError(
             what="kv_cache_block_copies",

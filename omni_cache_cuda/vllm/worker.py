@@ -99,6 +99,13 @@ class HiddenStatesRunnerMixin:
         )
         return output
 
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        export = self.omni_cache_export
+        if export is not None and output is not None:
+            export.step_sampled(output)  # SPEC-5: a step's acceptance, for its materialize
+        return output
+
     def close_omni_cache(self) -> None:
         """Write what the export holds and shut its cache down (idempotent)."""
         export, self.omni_cache_export = self.omni_cache_export, None

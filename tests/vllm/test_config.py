@@ -90,9 +90,19 @@ def test_refusals_on_vllms_configs(make: Any, kv_group: int | None, field: str) 
     assert field in err.value.field
 
 
-def test_refuses_speculative_decoding() -> None:
-    config = make_vllm_config()
-    # A real SpeculativeConfig needs a draft model; the glue only looks whether one is set.
-    object.__setattr__(config, "speculative_config", SimpleNamespace(method="ngram"))
-    with pytest.raises(ConfigError, match="speculative"):
+@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle3", "mtp"])
+def test_spec_6_speculative_decoding_is_served_with_sync_scheduling_only(method: str) -> None:
+    """Every checked method is accepted with one batch in flight and refused under async
+    scheduling, whose next scheduler output cannot say which drafts were accepted (SPEC-6)."""
+    config = make_vllm_config(async_scheduling=False)
+    # The glue reads only the method and the batch depth; a real EAGLE or MTP config needs
+    # draft weights, so a stand-in carries the method.
+    object.__setattr__(config, "speculative_config", SimpleNamespace(method=method))
+    assert config.max_concurrent_batches == 1
+    with VllmPrefixCache.from_vllm_config(config, kv_config(full()), device="cpu") as cache:
+        assert cache.max_concurrent_batches == 1
+    config = make_vllm_config(async_scheduling=True)
+    object.__setattr__(config, "speculative_config", SimpleNamespace(method=method))
+    with pytest.raises(ConfigError, match="synchronous scheduling") as err:
         VllmPrefixCache.from_vllm_config(config, kv_config(full()), device="cpu")
+    assert err.value.field == "speculative_config"
