@@ -138,9 +138,26 @@
 #define SK(s, k) ((s) * 2 + (k))
 #define NRE (MAXSTEP * 4)
 #define RE(K, k, j) (((((K) - 1) * 2) + (k)) * 2 + (j))
+#ifndef SPEC_DRAFTS
+#define NRA NRE
 #define RE_STEP(e) ((e) / 4 + 1)
 #define RE_KEY(e) (((e) / 2) % 2)
 #define RE_SLOT(e) (s_hblk[RE_STEP(e)] * 2 + (e) % 2)
+/* The request a read is for, and the position it delivers. */
+#define RE_REQ(e, K) (s_hreq[K] - 1)
+#define RE_POS(e, K) ((e) % 2)
+#else
+/* SPEC-4: after the hit reads, two catch-up reads per step (one slot, both
+ * keys): the accepted draft rows of a step consumed before its acceptance was
+ * learned, read back from their slot like a hit (one draft row per run). */
+#define NRA (NRE + MAXSTEP * 2)
+#define CU(K, k) (NRE + ((K) - 1) * 2 + (k))
+#define RE_STEP(e) ((e) < NRE -> (e) / 4 + 1 : ((e) - NRE) / 2 + 1)
+#define RE_KEY(e) ((e) < NRE -> ((e) / 2) % 2 : ((e) - NRE) % 2)
+#define RE_SLOT(e) ((e) < NRE -> s_hblk[RE_STEP(e)] * 2 + (e) % 2 : s_cslot[RE_STEP(e)])
+#define RE_REQ(e, K) ((e) < NRE -> s_hreq[K] - 1 : s_creq[K] - 1)
+#define RE_POS(e, K) ((e) < NRE -> (e) % 2 : s_cpos[K])
+#endif
 #define BIT(x) (1 << (x))
 #define HAS(m, x) ((((m) >> (x)) & 1) == 1)
 #define NBITS(m) (((m) & 1) + (((m) >> 1) & 1) + (((m) >> 2) & 1) + (((m) >> 3) & 1))
@@ -164,6 +181,7 @@ hidden byte STEP_1, STEP_2, STEP_5, PAGE_2, PAGE_3, SLOT_2, SLOT_3, SLOT_4;
 hidden byte TASK_1, TASK_2, TASK_3, TASK_6, BUDGET_1, HIT_4, HIT_5, HIT_6;
 hidden byte FAIL_1, FAIL_3, MODEL_BOUND, REACHED;
 hidden byte LIFE_1, LIFE_2, LIFE_3, DLV_1, DLV_2, DLV_3, DLV_5, DLV_6;
+hidden byte SPEC_1, SPEC_2, SPEC_3, SPEC_4, SPEC_5;
 #define CHECK(rule, c) assert(rule || (c))
 
 /* Reachability probes: with -DPROBES every probe is an assertion that
@@ -257,11 +275,11 @@ byte s_jns[MAXSTEP + 2];
 byte s_hreq[MAXSTEP + 2];         /* request + 1 that hit in this step */
 byte s_hblk[MAXSTEP + 2];
 byte nopen;
-byte r_src[NRE];
-byte r_tid[NRE];
-byte r_ver[NRE];
-byte r_pres[NRE];                 /* preserved row + 1 (copy-on-write) */
-byte r_exp[NRE];                  /* ghost: what the read must return */
+byte r_src[NRA];
+byte r_tid[NRA];
+byte r_ver[NRA];
+byte r_pres[NRA];                 /* preserved row + 1 (copy-on-write) */
+byte r_exp[NRA];                  /* ghost: what the read must return */
 
 /* Core: requests and delivery (LIFE, DLV), per admission a = 1..STARTS. */
 #define NADM (STARTS + 2)
@@ -287,6 +305,50 @@ byte g_lost[NADM];                /* positions not yet delivered that a discarde
                                    * failed step carried (DLV-4), a mask */
 #define TRUTH(a, p) ((p) < 2 && a_tok[(a) * 2 + (p)] != 0 -> a_tok[(a) * 2 + (p)] : (a) * 4 + (p))
 #define CONT(s) (gt0[s] == 0 -> 0 : g_wc[gt0[s] * NSLOT + (s)])
+
+#ifdef SPEC_DRAFTS
+/* Speculative decoding (SPEC). A step may carry, for a running request, a
+ * trailing draft row: it computes positions [c, c + 2), of which c is
+ * confirmed at save and c + 1 is a draft (k = 1). The engine's count c' (c + 1
+ * or c + 2) is fixed when the step computes (the sampler) and reaches the core
+ * at the next new_step_starts (computed_tokens) or earlier, when a consume
+ * reports it (ConsumeBegin.computed). One draft row per run (DRAFTS), and only
+ * at c = 1, so the request owns the block of every position it may go on
+ * from and is scheduled again in the step that confirms it (the catch-up of
+ * SPEC-4 rides on the request's next save). Preemption is off (SPEC-5's
+ * resume part is left to tests). */
+#if PREEMPTS > 0
+#error "SPEC_DRAFTS: preemption of a request with drafts is not modeled; use -DPREEMPTS=0"
+#endif
+#ifndef DRAFTS
+#define DRAFTS 1
+#endif
+byte drafts_left = DRAFTS;
+/* Engine: the request's unconfirmed draft (its step, 0: none), the draft's
+ * position (the step's confirmed end) and slot, and the sampler's count c'. */
+byte e_dstep[NREQ];
+byte e_dpos[NREQ];
+byte e_dslot[NREQ];
+byte e_acc[NREQ];
+byte c_dk[NREQ];                  /* this step: draft rows scheduled per request */
+byte c_conf[NREQ];                /* this step confirms the request's drafts: c' + 1 */
+/* Core: the pending drafts per request (as _drafts.Drafts keeps them), the
+ * count a consume reported (+ 1), and per step the confirmed end of each
+ * request's rows (valid, SPEC-1) and the catch-up read it carries (SPEC-4). */
+byte r_dstep[NREQ];
+byte r_dpos[NREQ];
+byte r_dslot[NREQ];
+byte r_rep[NREQ];
+byte r_old[NREQ];                 /* an older write of the request that lost a slot (SLOT-5) */
+byte s_creq[MAXSTEP + 2];         /* request + 1 with a catch-up read */
+byte s_cslot[MAXSTEP + 2];
+byte s_cpos[MAXSTEP + 2];
+/* Ghosts: per step and request the engine's count c' for its drafts (+ 1,
+ * 0: no drafts), and per step the slots whose rows were rejected or dropped
+ * unconfirmed (never to be served, SPEC-3). */
+byte g_acc[(MAXSTEP + 2) * 2];
+byte g_rjs[MAXSTEP + 2];
+#endif
 
 /* Budget (BUDGET-1): one unit per clone allocation. */
 bit tk_imm[MAXSTEP + 2];
@@ -475,6 +537,12 @@ inline fail_task(tt) {
   }
 }
 
+#ifdef SPEC_DRAFTS
+#define OLD_FREE(x) (r_old[0] != (x) && r_old[1] != (x))
+#else
+#define OLD_FREE(x) 1
+#endif
+
 /* D8: the core takes in the published completion records. SLOT-3: only
  * the slots a completed write still owns become COMMITTED; a failure record
  * makes the failure sticky (FAIL-1). */
@@ -517,12 +585,12 @@ inline drain() {
   :: dt < MAXT ->
      if
      :: t_drained[dt] && (t_st[dt] == T_WRITTEN || t_st[dt] == T_FAILED) && t_mask[dt] != 0 &&
-        r_def[0] != dt && r_def[1] != dt && r_jns[0] != dt && r_jns[1] != dt &&
+        r_def[0] != dt && r_def[1] != dt && r_jns[0] != dt && r_jns[1] != dt && OLD_FREE(dt) &&
         !HAS(esc, dt) && s_jns[1] != dt && s_jns[2] != dt && s_jns[3] != dt &&
         s_jns[MAXSTEP] != dt && s_jns[MAXSTEP - 1] != dt ->
         ds = 0;
         do
-        :: ds < NRE && !((r_src[ds] == R_AFTER || r_src[ds] == R_TASK) && r_tid[ds] == dt) -> ds++
+        :: ds < NRA && !((r_src[ds] == R_AFTER || r_src[ds] == R_TASK) && r_tid[ds] == dt) -> ds++
         :: else -> break
         od;
         dk = 0;
@@ -531,7 +599,7 @@ inline drain() {
         :: else -> break
         od;
         if
-        :: ds == NRE && dk == NSLOT * 2 ->
+        :: ds == NRA && dk == NSLOT * 2 ->
            t_kind[dt] = 0; t_mask[dt] = 0; t_tomb[dt] = 0; t_step[dt] = 0; t_page[dt] = 0;
            t_req[dt] = 0; t_views[dt] = 0; t_rec[dt] = 0;
            t_copies[dt] = 0;
@@ -555,7 +623,7 @@ inline cow(cs, ck) {
 #ifndef BUG_NO_VERSION
   ce = 0;
   do
-  :: ce < NRE ->
+  :: ce < NRA ->
      if
      :: (r_src[ce] == R_POOL || r_src[ce] == R_AFTER) && RE_KEY(ce) == ck &&
         RE_SLOT(ce) == cs && own[SK(cs, ck)] == O_COMMITTED &&
@@ -607,12 +675,8 @@ inline mark_absent(cs) {
   }
 }
 
-/* D4: plan the reads of a request that starts with a hit, at new_step_starts. */
-inline plan_reads(K) {
-  d_step {
-  pe = RE(K, 0, 0);
-  do
-  :: pe <= RE(K, 1, 1) ->
+/* D4: one read's source, planned version and tid (HIT-3). */
+inline plan_one(pe) {
      px = own[SK(RE_SLOT(pe), RE_KEY(pe))];
      if
      :: px == O_COMMITTED ->
@@ -633,13 +697,21 @@ inline plan_reads(K) {
 #endif
      :: else ->
         r_src[pe] = (RE_KEY(pe) == 0 -> R_HIT4 : R_ZEROS)
-     fi;
-     pe++
+     fi
+}
+
+/* D4: plan the reads of a request that starts with a hit, at new_step_starts. */
+inline plan_reads(K) {
+  d_step {
+  pe = RE(K, 0, 0);
+  do
+  :: pe <= RE(K, 1, 1) -> plan_one(pe); pe++
   :: else -> break
   od;
   pe = 0; px = 0
   }
 }
+
 
 /* D4: at save, the reads registered by this step's starts switch to this
  * step's producer (HIT-5) or to zeros where it left absence; the sparse key
@@ -686,9 +758,80 @@ inline dispose_reads(K) {
      pe++
   :: else -> break
   od;
+#ifdef SPEC_DRAFTS
+  pe = CU(K, 0);
+  do
+  :: pe <= CU(K, 1) ->
+     r_src[pe] = R_NONE; r_tid[pe] = 0; r_ver[pe] = 0; r_pres[pe] = 0; r_exp[pe] = 0;
+     pe++
+  :: else -> break
+  od;
+  s_creq[K] = 0; s_cslot[K] = 0; s_cpos[K] = 0;
+#endif
   pe = 0
   }
 }
+
+#ifdef SPEC_DRAFTS
+/* SPEC-4: the catch-up reads of step K, planned at new_step_starts like a
+ * hit's (from the pool, or the write in flight: HIT-3). */
+inline plan_catchup(K) {
+  d_step {
+  pe = CU(K, 0);
+  do
+  :: pe <= CU(K, 1) -> plan_one(pe); pe++
+  :: else -> break
+  od;
+  pe = 0; px = 0
+  }
+}
+
+/* At save: the expectation from the engine's ground truth. Nothing in this
+ * step writes the slot (the request goes on from c', above it); the sparse
+ * read is dropped when the step emits no sparse key at all (OUT-6). */
+inline replan_catchup(K) {
+  d_step {
+  px = s_cslot[K];
+  CHECK(SPEC_4, !HAS(m_imm, px));
+  r_exp[CU(K, 0)] = (gt0[px] == 0 -> EXP_ERR : gt0[px]);
+  if
+  :: m_def == 0 ->
+     r_src[CU(K, 1)] = R_NONE; r_tid[CU(K, 1)] = 0; r_ver[CU(K, 1)] = 0; r_pres[CU(K, 1)] = 0
+  :: else -> skip
+  fi;
+  r_exp[CU(K, 1)] = (r_src[CU(K, 1)] == R_NONE -> 0 : gt1[px]);
+  px = 0
+  }
+}
+
+/* SPEC-3: rows that must never be served (rejected drafts, or drafts left
+ * unconfirmed by a finish, SPEC-5): their slot becomes ABSENT for every key,
+ * version bumped (copy-on-write first, as for any change of a slot, HIT-6),
+ * and the writes still carrying them are tombstoned, so their rows never
+ * reach the pool. */
+inline reject_slot(cs) {
+  d_step {
+  dk = 0;
+  do
+  :: dk < 2 ->
+     cow(cs, dk);
+     co = own[SK(cs, dk)];
+     if
+     :: IS_TID(co) ->
+#ifndef BUG_SPEC_REJECTED_HIT
+        t_tomb[co] = t_tomb[co] | BIT(cs);
+#endif
+        skip
+     :: else -> skip
+     fi;
+     own[SK(cs, dk)] = O_ABSENT; ver[SK(cs, dk)]++; gclaim[SK(cs, dk)] = O_ABSENT;
+     dk++
+  :: else -> break
+  od;
+  dk = 0; co = 0
+  }
+}
+#endif
 
 /* ------------------------------------------------------- engine helpers */
 
@@ -749,6 +892,19 @@ inline choose_tokens(K, r, n) {
   :: e_pos[r] % 2 == 0 && !CAN(r, 2) && CAN(r, 1) -> n = 1
   :: !CAN(r, 1) -> n = 0
   fi;
+#ifdef SPEC_DRAFTS
+  /* SPEC: a step of two rows from position 1 may carry the second as a
+   * draft (positions [1, 3): 1 confirmed, 2 a draft); the request owns the
+   * block of every position it may go on from (2 or 3). */
+  if
+  :: n == 2 && e_pos[r] == 1 && drafts_left > 0 ->
+     if
+     :: skip
+     :: c_dk[r] = 1; drafts_left--
+     fi
+  :: else -> skip
+  fi;
+#endif
   choose_new_tokens(K, r, n)
 }
 
@@ -765,8 +921,35 @@ inline choose_new_tokens(K, r, n) {
      :: c_mask[1 - r] != 0 -> c_emit[r] = c_emit[1 - r]
      :: else -> c_emit[r] = e_emit[r]
      fi;
+#ifndef SPEC_DRAFTS
      printf("ACT sched step=%d req=%d pos=%d n=%d blk0=%d blk1=%d key1=%d\n", K, r, cs1, n,
             e_blk[r * 2] - 1, e_blk[r * 2 + 1] - 1, c_emit[r]);
+#else
+     if
+     :: c_dk[r] != 0 ->
+        /* The draft row is computed but not hashed: its block is published
+         * only once the row is confirmed (SPEC-5: the engine never hashed an
+         * unconfirmed block). The sampler's count c' is fixed now. */
+        e_dstep[r] = K; e_dpos[r] = e_pos[r] - c_dk[r];
+        e_dslot[r] = (e_blk[r * 2 + e_dpos[r] / 2] - 1) * 2 + e_dpos[r] % 2;
+        b_fill[e_dslot[r] / 2]--; b_cached[e_dslot[r] / 2] = (b_fill[e_dslot[r] / 2] == BS);
+        if
+        :: e_acc[r] = e_dpos[r]                   /* the draft is rejected */
+        :: e_acc[r] = e_dpos[r] + 1               /* ... or accepted */
+        fi
+     :: else -> skip
+     fi;
+     /* draft: the last rows that are drafts (SaveBegin.drafts); computed: the
+      * count c' this step's computed_tokens confirms (SPEC-2). */
+     if
+     :: c_conf[r] != 0 ->
+        printf("ACT sched step=%d req=%d pos=%d n=%d blk0=%d blk1=%d key1=%d draft=%d computed=%d\n",
+               K, r, cs1, n, e_blk[r * 2] - 1, e_blk[r * 2 + 1] - 1, c_emit[r], c_dk[r], c_conf[r] - 1)
+     :: else ->
+        printf("ACT sched step=%d req=%d pos=%d n=%d blk0=%d blk1=%d key1=%d draft=%d\n",
+               K, r, cs1, n, e_blk[r * 2] - 1, e_blk[r * 2 + 1] - 1, c_emit[r], c_dk[r])
+     fi;
+#endif
      cs1 = 0
   :: else -> skip
   fi;
@@ -883,6 +1066,95 @@ inline end_or_preempt(K, r) {
   fi
 }
 
+#ifdef SPEC_DRAFTS
+/* SPEC-2: the engine's side of the acceptance, at the next step's start. A
+ * request that finishes with its drafts unconfirmed never hashes them
+ * (SPEC-5); one that runs on reports its count c' (computed_tokens): an
+ * accepted row is hashed now (its block may be hit in this very step), a
+ * rejected one is recomputed from c', in this step (the request owns the
+ * block). Rejected and dropped rows are never to be served (ghost g_rjs). */
+inline engine_confirm(K, r) {
+  if
+  :: e_dstep[r] != 0 && (c_fin[r] || !e_live[r]) ->
+     g_rjs[e_dstep[r]] = g_rjs[e_dstep[r]] | BIT(e_dslot[r]);
+     gt0[e_dslot[r]] = 0; gt1[e_dslot[r]] = 0;
+     e_dstep[r] = 0; e_dpos[r] = 0; e_dslot[r] = 0; e_acc[r] = 0
+  :: e_dstep[r] != 0 && !c_fin[r] && e_live[r] ->
+     c_conf[r] = e_acc[r] + 1;
+     if
+     :: e_acc[r] > e_dpos[r] ->
+        b_fill[e_dslot[r] / 2]++;
+        b_cached[e_dslot[r] / 2] = (b_fill[e_dslot[r] / 2] == BS)
+     :: else ->
+        e_pos[r] = e_acc[r];
+        g_rjs[e_dstep[r]] = g_rjs[e_dstep[r]] | BIT(e_dslot[r]);
+        gt0[e_dslot[r]] = 0; gt1[e_dslot[r]] = 0
+     fi;
+     e_dstep[r] = 0; e_dpos[r] = 0; e_dslot[r] = 0; e_acc[r] = 0
+  :: else -> skip
+  fi
+}
+
+/* new_step_starts, the core's side of a confirmation, before the records
+ * (SPEC-2): positions [base, c') are accepted, the rest rejected (SPEC-3),
+ * and the request's next position rolls back to c'. The step that carries
+ * the drafts hands out the accepted rows itself while it is unconsumed
+ * (its valid end is raised); once it was consumed with the cursor at base,
+ * the request's next save carries them as a catch-up read (SPEC-4); a step
+ * discarded or failed before leaves them passed over (DLV-4). */
+inline apply_confirm(K, r) {
+  if
+  :: c_conf[r] != 0 ->
+     CHECK(SPEC_2, r_dstep[r] != 0 && c_conf[r] - 1 >= r_dpos[r] && c_conf[r] - 1 <= r_dpos[r] + 1 &&
+                   (r_rep[r] == 0 || r_rep[r] == c_conf[r]));
+     dp = c_conf[r] - 1;
+     da = e_adm[r];
+     if
+     :: dp == r_dpos[r] -> reject_slot(r_dslot[r]); REACH(37)   /* a draft rejected */
+     :: else -> skip
+     fi;
+     dk = r_dstep[r];
+     a_c[da] = dp;
+     /* A materialize between its begin and its end would count as consumed
+      * here; at these bounds the builder's join never waits for a step the
+      * engine has started another step after (MODEL.md). */
+     CHECK(MODEL_BOUND, s_st[dk] != S_TAKEN);
+     if
+     :: s_st[dk] == S_OPEN ->
+        CHECK(SPEC_2, s_adm[SR(dk, r)] == da);
+        s_hi[SR(dk, r)] = dp;
+        if :: dp > r_dpos[r] -> REACH(34) :: else -> skip fi   /* accepted rows of an open step */
+     :: s_st[dk] != S_OPEN && dp > r_dpos[r] && a_d[da] == r_dpos[r] ->
+#ifndef BUG_SPEC_NO_CATCHUP
+        s_creq[K] = r + 1; s_cslot[K] = r_dslot[r]; s_cpos[K] = r_dpos[r];
+        plan_catchup(K);
+#endif
+        REACH(35)                                  /* a catch-up read */
+     :: s_st[dk] != S_OPEN && dp > r_dpos[r] && a_d[da] < r_dpos[r] ->
+        /* DLV-4: its step was discarded or failed before it was handed out. */
+        g_lost[da] = g_lost[da] | (BIT(dp) - BIT(r_dpos[r]))
+     :: else ->
+        CHECK(SPEC_2, dp == r_dpos[r] || a_d[da] == dp)
+     fi;
+     g_top[da] = MAX(g_top[da], dp);
+     r_dstep[r] = 0; r_dpos[r] = 0; r_dslot[r] = 0; r_rep[r] = 0;
+     dp = 0; da = 0; dk = 0
+  :: else -> skip
+  fi
+}
+
+/* SPEC-5: a finish of a request whose last step is unconfirmed: those
+ * positions become ABSENT (no hit may read them: one would raise, HIT-4). */
+inline drop_drafts(r) {
+  if
+  :: r_dstep[r] != 0 ->
+     reject_slot(r_dslot[r]); REACH(39);
+     r_dstep[r] = 0; r_dpos[r] = 0; r_dslot[r] = 0; r_rep[r] = 0
+  :: else -> skip
+  fi
+}
+#endif
+
 /* LIFE-4: a preempted request may come back with a fresh block list and a
  * hit of 0 or of one cached block whose rows are its own first positions
  * (the engine's prefix hash: same tokens, same values). Its positions restart
@@ -943,6 +1215,15 @@ inline apply_end(r) {
      :: else -> skip
      fi;
      escalate(r_def[r]); escalate(r_jns[r]);
+#ifdef SPEC_DRAFTS
+     drop_drafts(r);
+     /* SLOT-5: the older write the request left after a rollback goes too. */
+     if
+     :: r_old[r] != 0 && t_st[r_old[r]] < T_WRITTEN -> esc = esc | BIT(r_old[r])
+     :: else -> skip
+     fi;
+     escalate(r_old[r]); r_old[r] = 0;
+#endif
      /* LIFE-3: nothing computed is lost: the open deferred write is on its way. */
      CHECK(LIFE_3, r_def[r] == 0 || t_st[r_def[r]] != T_PENDING);
      r_def[r] = 0; r_jns[r] = 0;
@@ -1004,6 +1285,10 @@ proctype Engine() {
         * resume and new requests start. */
        end_or_preempt(K, 0);
        end_or_preempt(K, 1);
+#ifdef SPEC_DRAFTS
+       engine_confirm(K, 0);
+       engine_confirm(K, 1);
+#endif
        if
        :: e_live[0] && !e_pre[0] -> choose_tokens(K, 0, n)
        :: else -> skip
@@ -1048,6 +1333,12 @@ proctype Engine() {
              serr = 1
           :: else ->
              CHECK(FAIL_1, !g_fail_pub);
+#ifdef SPEC_DRAFTS
+             /* SPEC-2: the step's computed counts confirm drafts before its
+              * records apply. */
+             apply_confirm(K, 0);
+             apply_confirm(K, 1);
+#endif
              /* Finishes and preemptions first, then starts and resumes (LIFE-2). */
              apply_end(0);
              apply_end(1);
@@ -1142,6 +1433,12 @@ proctype Engine() {
                 :: t_kind[ft] == 1 && r_def[t_req[ft]] == ft -> r_def[t_req[ft]] = 0
                 :: else -> skip
                 fi;
+#ifdef SPEC_DRAFTS
+                if
+                :: t_kind[ft] == 1 && r_old[t_req[ft]] == ft -> r_old[t_req[ft]] = 0
+                :: else -> skip
+                fi;
+#endif
                 printf("ACT flush step=%d tid=%d\n", K, ft);
                 REACH(11);
                 wait_for(1, t_done[ft]);
@@ -1223,6 +1520,17 @@ proctype Engine() {
                 if
                 :: c_mask[n] != 0 && c_emit[n] ->
                    ft = r_def[n];
+#ifdef SPEC_DRAFTS
+                   /* SLOT-5: the open write lost a slot this step writes again
+                    * (a rejected draft, SPEC-3): a new write is opened; the old
+                    * one is escalated when the request ends. */
+                   if
+                   :: ft != 0 && (t_tomb[ft] & c_mask[n]) != 0 ->
+                      CHECK(MODEL_BOUND, r_old[n] == 0);
+                      r_old[n] = ft; ft = 0; r_def[n] = 0; REACH(38)
+                   :: else -> skip
+                   fi;
+#endif
                    if
                    :: ft == 0 ->
                       ft = next_tid; next_tid++;
@@ -1284,7 +1592,29 @@ proctype Engine() {
                    s_lo[SR(K, n)] = (s_hreq[K] == n + 1 -> 0 : a_c[dr]);
                    a_c[dr] = a_c[dr] + NBITS(c_mask[n]);
                    s_hi[SR(K, n)] = a_c[dr];
+#ifndef SPEC_DRAFTS
                    g_top[dr] = MAX(g_top[dr], a_c[dr]);
+#else
+                   /* SPEC-2: a request waiting for its confirmation is never saved. */
+                   CHECK(SPEC_2, r_dstep[n] == 0);
+                   if
+                   :: c_dk[n] != 0 ->
+                      /* SPEC-1: the step hands out its confirmed rows only. */
+#ifndef BUG_SPEC_DELIVERS_REJECTED
+                      s_hi[SR(K, n)] = a_c[dr] - c_dk[n];
+#endif
+                      r_dstep[n] = K; r_dpos[n] = a_c[dr] - c_dk[n]; r_dslot[n] = e_dslot[n];
+                      r_rep[n] = 0;
+                      g_acc[SR(K, n)] = e_acc[n] + 1
+                   :: else -> skip
+                   fi;
+                   /* SPEC-4: the catch-up rows come first. */
+                   if
+                   :: s_creq[K] == n + 1 -> s_lo[SR(K, n)] = s_cpos[K]
+                   :: else -> skip
+                   fi;
+                   g_top[dr] = MAX(g_top[dr], a_c[dr] - c_dk[n]);
+#endif
                    dr = 0
                 :: else -> skip
                 fi;
@@ -1296,6 +1626,12 @@ proctype Engine() {
              :: s_hreq[K] != 0 -> replan_reads(K)
              :: else -> skip
              fi;
+#ifdef SPEC_DRAFTS
+             if
+             :: s_creq[K] != 0 -> replan_catchup(K)
+             :: else -> skip
+             fi;
+#endif
              /* d0/d1: the deferred write each request's rows went to (0: none). */
              printf("ACT save step=%d page=%d tid=%d d0=%d d1=%d -> ok\n", K, p, sv0, sv1, sv2);
              sv0 = 0; sv1 = 0; sv2 = 0
@@ -1315,11 +1651,25 @@ proctype Engine() {
            * save; the engine stops stepping and winds its requests down. */
           CHECK(STEP_5, s_st[K] == S_UNSAVED && bpend == 0 &&
                         pg_step[0] != K && pg_step[1] != K);
+#ifdef SPEC_DRAFTS
+          /* DLV-4: the catch-up rows go with the failed save that carried them. */
+          if
+          :: s_creq[K] != 0 ->
+             da = e_adm[s_creq[K] - 1]; g_lost[da] = g_lost[da] | BIT(s_cpos[K]); da = 0
+          :: else -> skip
+          fi;
+#endif
           dispose_reads(K)
        :: else -> skip
        fi;
        c_new[0] = 0; c_new[1] = 0; c_emit[0] = 0; c_emit[1] = 0;
        c_res[0] = 0; c_res[1] = 0;
+#ifdef SPEC_DRAFTS
+       /* The confirming request is scheduled in the step that confirms it. */
+       CHECK(MODEL_BOUND, (c_conf[0] == 0 || c_mask[0] != 0 || serr) &&
+                          (c_conf[1] == 0 || c_mask[1] != 0 || serr));
+       c_conf[0] = 0; c_conf[1] = 0; c_dk[0] = 0; c_dk[1] = 0;
+#endif
        if
        :: !idle -> c_pre[0] = 0; c_pre[1] = 0
        :: else -> skip
@@ -1358,12 +1708,21 @@ proctype Engine() {
           CHECK(FAIL_1, !g_fail_pub);
           escalate(r_def[0]); escalate(r_jns[0]);
           escalate(r_def[1]); escalate(r_jns[1]);
+#ifdef SPEC_DRAFTS
+          /* SPEC-5 at the last finish; SLOT-5's older writes go too. */
+          drop_drafts(0); drop_drafts(1);
+          escalate(r_old[0]); escalate(r_old[1]);
+#endif
           printf("ACT new_step step=%d -> ok\n", K)
        fi
     :: else -> skip
     fi;
     r_def[0] = 0; r_jns[0] = 0; r_def[1] = 0; r_jns[1] = 0;
     e_live[0] = 0; e_live[1] = 0; e_emit[0] = 0; e_emit[1] = 0;
+#ifdef SPEC_DRAFTS
+    r_old[0] = 0; r_old[1] = 0;
+    engine_confirm(K, 0); engine_confirm(K, 1);
+#endif
     e_pre[0] = 0; e_pre[1] = 0; r_pre[0] = 0; r_pre[1] = 0;
     c_fin[0] = 0; c_fin[1] = 0; c_pre[0] = 0; c_pre[1] = 0;
     e_blk[0] = 0; e_blk[1] = 0; e_blk[2] = 0; e_blk[3] = 0; e_pos[0] = 0; e_pos[1] = 0;
@@ -1427,7 +1786,7 @@ inline read_one(e, K) {
      :: t_st[r_tid[e]] == T_FAILED -> px = 0; pe = E_FAILED
      :: else -> px = t_val[r_tid[e] * NSLOT + RE_SLOT(e)]; pe = E_OK; REACH(2);  /* a deferred write's own rows */
         if
-        :: t_st[r_tid[e]] < T_WRITTEN &&
+        :: e < NRE && t_st[r_tid[e]] < T_WRITTEN &&
            g_wc[px * NSLOT + RE_SLOT(e)] == s_adm[SR(K, s_hreq[K] - 1)] * 4 + e % 2 ->
            REACH(30)               /* ... which its own admission computed: a resume's hit */
         :: else -> skip
@@ -1458,7 +1817,7 @@ inline check_read(e, K) {
   if
   :: pe != E_OK ->
      printf("ACT read_error step=%d req=%d key=%d slot=%d reason=%e\n", K,
-            s_hreq[K] - 1, RE_KEY(e), RE_SLOT(e),
+            RE_REQ(e, K), RE_KEY(e), RE_SLOT(e),
             (pe == E_HIT4 -> hit4 : (pe == E_HIT6 -> hit6 : failed)));
      CHECK(HIT_4, pe != E_HIT4 || r_exp[e] == EXP_ERR);
      if
@@ -1468,8 +1827,26 @@ inline check_read(e, K) {
      CHECK(HIT_6, pe != E_HIT6);
      CHECK(FAIL_1, pe != E_FAILED || g_fail_pub)
   :: else ->
+#ifdef SPEC_DRAFTS
+     if
+     :: e >= NRE ->
+        printf("ACT read step=%d req=%d key=%d slot=%d catchup=1 -> val=%d\n", K,
+               RE_REQ(e, K), RE_KEY(e), RE_SLOT(e), px);
+        REACH(36)                                    /* a catch-up row read back */
+     :: else ->
+#endif
      printf("ACT read step=%d req=%d key=%d slot=%d -> val=%d\n", K,
-            s_hreq[K] - 1, RE_KEY(e), RE_SLOT(e), px);
+            RE_REQ(e, K), RE_KEY(e), RE_SLOT(e), px);
+#ifdef SPEC_DRAFTS
+        /* SPEC-3: a hit on a block that held a rejected row, recomputed. */
+        if
+        :: px != 0 && g_rjs[px - 1] != 0 && HAS(g_rjs[px - 1], RE_SLOT(e)) -> REACH(41)
+        :: else -> skip
+        fi
+     fi;
+     /* SPEC-1, SPEC-3: a rejected or unconfirmed row is never served. */
+     CHECK(SPEC_3, px == 0 || !HAS(g_rjs[px], RE_SLOT(e)));
+#endif
      CHECK(HIT_4, r_exp[e] != EXP_ERR);
      CHECK(SLOT_4, RE_KEY(e) == 0 || r_exp[e] != 0 || px == 0);
      CHECK(HIT_5, r_src[e] != R_THIS || px == r_exp[e]);
@@ -1479,7 +1856,7 @@ inline check_read(e, K) {
       * slot has the admission's value there. Zeros are a value only for
       * the sparse key (absence, SLOT-4). */
      CHECK(DLV_6, (RE_KEY(e) == 1 && px == 0) ||
-                  g_wc[px * NSLOT + RE_SLOT(e)] == TRUTH(s_adm[SR(K, s_hreq[K] - 1)], e % 2))
+                  g_wc[px * NSLOT + RE_SLOT(e)] == TRUTH(s_adm[SR(K, RE_REQ(e, K))], RE_POS(e, K)))
   fi
   }
 }
@@ -1506,6 +1883,9 @@ inline end_consume(K, e, err) {
         :: else -> skip
         fi;
         s_adm[SR(K, dr)] = 0; s_lo[SR(K, dr)] = 0; s_hi[SR(K, dr)] = 0;
+#ifdef SPEC_DRAFTS
+        g_acc[SR(K, dr)] = 0;
+#endif
         retire(da)
      :: else -> skip
      fi;
@@ -1622,6 +2002,11 @@ inline deliver(K) {
         :: dp < den -> CHECK(DLV_2, (g_dl[da] >> dp) == 0); g_dl[da] = g_dl[da] | BIT(dp); dp++
         :: else -> break
         od;
+#ifdef SPEC_DRAFTS
+        /* SPEC-1: no row at or above the engine's count c' (a rejected row)
+         * is handed out by the step that computed it. */
+        CHECK(SPEC_1, g_acc[SR(K, dr)] == 0 || den <= g_acc[SR(K, dr)] - 1);
+#endif
         a_d[da] = MAX(a_d[da], dhi);
         CHECK(DLV_2, ((g_dl[da] | g_lost[da]) & (BIT(a_d[da]) - 1)) == BIT(a_d[da]) - 1);
         printf("ACT deliver step=%d req=%d start=%d end=%d\n", K, dr, dst, den)
@@ -1634,10 +2019,45 @@ inline deliver(K) {
   }
 }
 
+#ifdef SPEC_DRAFTS
+/* SPEC-2: a consume may report the computed count c' of a request whose
+ * drafts this step carries (ConsumeBegin.computed: the sampler ran before the
+ * consumer); the step then hands out the accepted rows itself, and the slots
+ * roll back at the next start. A consume that does not report it hands out
+ * the confirmed rows only. */
+inline report_drafts(K) {
+  if
+  :: r_dstep[0] == K -> dr = 0
+  :: r_dstep[1] == K -> dr = 1
+  :: else -> dr = 2
+  fi;
+  if
+  :: dr < 2 && r_rep[dr] == 0 ->
+     if
+     :: printf("ACT materialize step=%d -> ok\n", K)
+     :: r_rep[dr] = g_acc[SR(K, dr)];
+        da = s_adm[SR(K, dr)];
+        CHECK(SPEC_2, g_acc[SR(K, dr)] != 0 && da != 0);
+        s_hi[SR(K, dr)] = r_rep[dr] - 1;
+        g_top[da] = MAX(g_top[da], r_rep[dr] - 1);
+        REACH(40);                                   /* a consume reports the count */
+        printf("ACT materialize step=%d req=%d computed=%d -> ok\n", K, dr, r_rep[dr] - 1);
+        da = 0
+     fi
+  :: else -> printf("ACT materialize step=%d -> ok\n", K)
+  fi;
+  dr = 0
+}
+#endif
+
 /* HIT-3: an in-transit immediate row is read from the pool once its write
  * is WRITTEN; one bounded join covers all of them (FAIL-3). */
 #define AFTER_OK(x) (r_src[x] != R_AFTER || t_done[r_tid[x]])
+#ifndef SPEC_DRAFTS
 #define JOIN_OK (AFTER_OK(RE(K, 0, 0)) && AFTER_OK(RE(K, 0, 1)))
+#else
+#define JOIN_OK (AFTER_OK(RE(K, 0, 0)) && AFTER_OK(RE(K, 0, 1)) && AFTER_OK(CU(K, 0)))
+#endif
 #define PICK(k) (s_st[k] == S_OPEN && !HAS(s_ref, k))
 /* A discard is offered for every step when requests can be preempted (it
  * then decides which positions are delivered, DLV-4), else for steps with a
@@ -1702,7 +2122,11 @@ proctype Builder() {
                 og = 0; oq = 0; oe = 0; olo = 0; ohi = 0
              :: else ->
                 s_st[K] = S_TAKEN;
+#ifndef SPEC_DRAFTS
                 printf("ACT materialize step=%d -> ok\n", K)
+#else
+                report_drafts(K)
+#endif
              fi
           :: DISCARDABLE(K) ->
              s_st[K] = S_TAKEN;
@@ -1771,6 +2195,26 @@ proctype Builder() {
                    e++
                 :: else -> break
                 od;
+#ifdef SPEC_DRAFTS
+                /* SPEC-4: then the catch-up rows, unless already handed out. */
+                e = CU(K, 0);
+                do
+                :: err == W_OK && e <= CU(K, 1) ->
+                   if
+                   :: r_src[e] != R_NONE && s_creq[K] != 0 &&
+                      s_cpos[K] >= a_d[s_adm[SR(K, s_creq[K] - 1)]] ->
+                      read_one(e, K);
+                      check_read(e, K);
+                      if
+                      :: pe != E_OK -> err = W_READ; break
+                      :: else -> skip
+                      fi
+                   :: else -> skip
+                   fi;
+                   e++
+                :: else -> break
+                od;
+#endif
                 pe = 0; px = 0; dsh = 0;
                 if
                 :: err == W_OK -> deliver(K)

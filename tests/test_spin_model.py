@@ -142,6 +142,39 @@ def test_random_simulations_print_only_documented_actions() -> None:
     assert seen >= COMMON_ACTIONS, f"never printed: {COMMON_ACTIONS - seen}"
 
 
+@needs_spin_and_gcc
+def test_speculative_runs_print_only_documented_actions() -> None:
+    """With -DSPEC_DRAFTS (SPEC-1..SPEC-5) every line is in the vocabulary: random simulations,
+    and a whole run through probe 35 (a catch-up read of accepted drafts, found by pan)."""
+    vocabulary = documented_vocabulary()
+    defines = ["-DSPEC_DRAFTS", "-DPREEMPTS=0", "-DSTARTS=2", "-DMAXSTEP=4"]
+    lines = []
+    for seed in range(1, 21):
+        run = simulate(seed, *defines)
+        assert run[-1].endswith("processes created"), f"seed {seed}: ended with {run[-1]!r}"
+        lines += run
+    with tempfile.TemporaryDirectory() as scratch:
+        shutil.copy(MODEL, scratch)
+        probe = [*defines, "-DPROBE=35"]
+        for cmd in (
+            ["spin", *probe, "-a", "omni_cache.pml"],
+            ["gcc", "-O0", "-DSAFETY", "-DNOCLAIM", "-DCOLLAPSE", "-o", "pan", "pan.c"],
+            ["./pan", "-m100000"],
+        ):
+            subprocess.run(cmd, cwd=scratch, capture_output=True, timeout=300, check=True)
+        trail = subprocess.run(
+            ["spin", *probe, "-t", "omni_cache.pml"],
+            cwd=scratch, capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+    run = [line.strip() for line in trail.stdout.splitlines() if line.strip().startswith("ACT ")]
+    assert any(" draft=1" in line for line in run), run
+    assert any(" computed=" in line for line in run), run
+    assert any(" catchup=1 " in line for line in run), run
+    for line in lines + run:
+        if line.startswith("ACT "):
+            check_line(line, vocabulary)
+
+
 def test_the_vocabulary_check_rejects_a_stray_line() -> None:
     """The line check refuses an unknown action, an undocumented field and an undocumented outcome."""
     vocabulary = documented_vocabulary()
