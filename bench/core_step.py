@@ -2,7 +2,10 @@
 
 Sizes: num_blocks=16384, block_size=16, two cached keys (hidden and one mm key).
 - decode: 256 requests x 1 token;
-- prefill: 16 requests x 512 tokens, half of them starting with a 256-token hit.
+- prefill: 16 requests x 512 tokens, half of them starting with a 256-token hit;
+- decode with drafts: 256 requests x (1 + 3 drafts), each start confirming the previous
+  step's drafts with a seeded random acceptance (SPEC-2), that step consumed after it (as the
+  drop-in worker does), then the save.
 Targets: <= 150 us per decode step, <= 1 ms per prefill step, <= 8 bytes of occupancy
 metadata per (slot, key).
 
@@ -55,6 +58,11 @@ KEYS = (HIDDEN_KEY, MM_KEY)
 def cycle(core: CacheCore, step: PrefixCacheStep, req_ids, bounds, slots) -> None:
     """One whole step cycle as an inline adapter drives it."""
     core.start_step(StartStep(step=step, now_ns=0))
+    _consume(core, _save(core, req_ids, bounds, slots), req_ids)
+
+
+def _save(core: CacheCore, req_ids, bounds, slots, drafts=None):
+    """A save, its page claim and its write landing; returns the step id."""
     core.save_begin(
         SaveBegin(
             now_ns=0,
@@ -64,6 +72,7 @@ def cycle(core: CacheCore, step: PrefixCacheStep, req_ids, bounds, slots) -> Non
             num_tokens=len(slots),
             immediate_keys=KEYS,
             immediate_bytes=len(slots) * 4096,
+            drafts=drafts,
         )
     )
     effect = core.save_proceed(SaveProceed(now_ns=0))
@@ -74,9 +83,13 @@ def cycle(core: CacheCore, step: PrefixCacheStep, req_ids, bounds, slots) -> Non
             core.report(CopyStarted(tid=eff.tid))
             core.report(CopyLanded(tid=eff.tid))
             core.report(WriteLanded(tid=eff.tid))
-    plan = core.consume_begin(ConsumeBegin(step_id=published.step_id, req_ids=req_ids, now_ns=0))
+    return published.step_id
+
+
+def _consume(core: CacheCore, step_id, req_ids) -> None:
+    plan = core.consume_begin(ConsumeBegin(step_id=step_id, req_ids=req_ids, now_ns=0))
     assert isinstance(plan, ConsumePlan), plan
-    core.consume_end(ConsumeEnd(step_id=published.step_id))
+    core.consume_end(ConsumeEnd(step_id=step_id))
 
 
 def bench_decode(steps: int) -> list[float]:
@@ -98,6 +111,47 @@ def bench_decode(steps: int) -> list[float]:
         t0 = time.thread_time()
         cycle(core, step, reqs, bounds, slots)
         times.append(time.thread_time() - t0)
+    core.check_invariants()
+    return times
+
+
+def bench_decode_drafts(steps: int, k: int = 3) -> list[float]:
+    """Decode with `k` drafts per request; each start confirms the last step's drafts."""
+    config = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    core = CacheCore(config)
+    reqs = tuple(ReqId(f"d{i}") for i in range(256))
+    span = 64 * BLOCK_SIZE  # positions per request before they wrap around its blocks
+    start = PrefixCacheStep(
+        events=[PrefixCacheRequestEvent(req_id=r, kind=PrefixCacheEventKind.STARTED) for r in reqs]
+    )
+    core.start_step(StartStep(step=start, now_ns=0))
+    rows = 1 + k
+    bounds = np.arange(257, dtype=np.int64) * rows
+    base = np.repeat(np.arange(256, dtype=np.int64) * span, rows)
+    offsets = np.tile(np.arange(rows, dtype=np.int64), 256)
+    drafts = np.full(256, k, dtype=np.int64)
+    scheduled = {r: rows for r in reqs}
+    rng = np.random.default_rng(0)
+    position = np.zeros(256, dtype=np.int64)
+    computed: dict[str, int] = {}
+    previous = None  # the step saved last, consumed after the next start (as the worker does)
+    times = []
+    for _ in range(steps):
+        if int(position.max()) + rows > span:  # wrap: every request starts over, unmeasured
+            core = CacheCore(config)
+            core.start_step(StartStep(step=start, now_ns=0))
+            position[:] = 0
+            computed, previous = {}, None
+        step = PrefixCacheStep(scheduled_tokens=scheduled, computed_tokens=computed)
+        slots = base + np.repeat(position, rows) + offsets
+        t0 = time.thread_time()
+        core.start_step(StartStep(step=step, now_ns=0))
+        if previous is not None:
+            _consume(core, previous, reqs)
+        previous = _save(core, reqs, bounds, slots, drafts)
+        times.append(time.thread_time() - t0)
+        position += 1 + rng.integers(0, k + 1, size=256)
+        computed = dict(zip(reqs, position.tolist(), strict=True))
     core.check_invariants()
     return times
 
@@ -186,15 +240,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     decode_rounds: list[list[float]] = []
+    drafts_rounds: list[list[float]] = []
     prefill_rounds: list[list[float]] = []
     meta_bytes = 0
     for _ in range(args.rounds):
         decode_rounds.append(bench_decode(args.steps)[20:])
+        drafts_rounds.append(bench_decode_drafts(args.steps)[20:])
         prefill, meta_bytes = bench_prefill(args.steps // 4)
         prefill_rounds.append(prefill[5:])
     per_slot_key = meta_bytes / (NUM_BLOCKS * BLOCK_SIZE * len(KEYS))
     rows = [
         ("decode step (256 x 1)", decode_rounds, 150.0),
+        ("decode step, 3 drafts (256 x 4)", drafts_rounds, 150.0),
         ("prefill step (16 x 512, 8 hits)", prefill_rounds, 1000.0),
     ]
     # The machine is shared: CPU time per step swings with what runs beside it. Every round's

@@ -194,8 +194,9 @@ class CacheCore(CoreQueries):
         escalate: list[Tid] = []
         tombstones: list[Tombstone] = []
         catch_up: list[tuple[ReqId, SlotArray, int, int]] = []
-        for req_id, entry, count in confirms:
-            self._confirm(req_id, entry, count, tombstones, catch_up)
+        if confirms:
+            rejected = [self._confirm(r, entry, count, catch_up) for r, entry, count in confirms]
+            self._reject(np.concatenate(rejected), tombstones)
         # D10: hits of a start that no save followed can never be served; their requests must
         # end (or be preempted and resumed) before they are saved again.
         hits.on_start()
@@ -552,14 +553,13 @@ class CacheCore(CoreQueries):
         req_id: ReqId,
         entry: int,
         count: int,
-        tombstones: list[Tombstone],
         catch_up: list[tuple[ReqId, SlotArray, int, int]],
-    ) -> None:
+    ) -> SlotArray:
         """SPEC-2: the engine computed `count` positions of the request: accept its drafts
-        below it, reject the rest and roll its next position back to `count`."""
+        below it and roll its next position back to `count`. Returns the rejected drafts'
+        slots, which the caller marks for every confirmed request at once (SPEC-3)."""
         p = self._drafts.confirm(entry)
         accepted = count - p.base
-        self._reject(p.slots[accepted:], tombstones)
         self.counters.draft_rows_accepted += accepted
         self._requests.computed[entry] = count
         step = self._saved.get(p.step_id)
@@ -570,6 +570,7 @@ class CacheCore(CoreQueries):
             # SPEC-4: the step handed out its confirmed rows only; the request's next save
             # carries the accepted ones, read back from their slots like a hit.
             catch_up.append((req_id, p.slots[:accepted], p.base, entry))
+        return p.slots[accepted:]
 
     def _reject(self, slots: SlotArray, tombstones: list[Tombstone]) -> None:
         """SPEC-3: rows that must never be served: reads planned on them fail, their slots
