@@ -290,7 +290,7 @@ class OmniPrefixCacheManager:
 
         ``draft_tokens``: with speculative decoding, how many of each request's rows, at the
         end of its range, are draft tokens (SPEC-1). They are handed out only once a
-        computed-token count confirms them (`PrefixCacheStep.computed_tokens`, or
+        computed-token count confirms them (``PrefixCacheStep.computed_tokens``, or
         ``computed_tokens`` of `materialize`); a request absent from it has none.
 
         Copies the cached rows into a staging page (on CUDA: clones on the compute stream, a
@@ -332,7 +332,7 @@ class OmniPrefixCacheManager:
         ``computed_tokens``: per request, its computed-token count after this step's sampler,
         when the caller knows it: it confirms the step's draft rows below it, which are then
         handed out now (SPEC-2). Without it a draft row is handed out once the next step's
-        `PrefixCacheStep.computed_tokens` confirms it: by this call if it comes after that
+        ``PrefixCacheStep.computed_tokens`` confirms it: by this call if it comes after that
         step starts, else by the request's next step (SPEC-4).
 
         Reads only what the save captured (STEP-3). Blocks while the immediate writes its hits
