@@ -48,7 +48,7 @@ from omni_cache_core._contract import (
 )
 from omni_cache_core._counters import CoreCounters
 from omni_cache_core._delivery import Admissions, RequestState
-from omni_cache_core._drafts import Drafts
+from omni_cache_core._drafts import Drafts, PendingDrafts
 from omni_cache_core._errors import (
     BadInputError,
     HitUnreadableError,
@@ -173,7 +173,8 @@ class CacheCore(CoreQueries):
         A computed-token count confirms a request's drafts before its records apply (SPEC-2):
         rows below it are accepted, the rest rejected and marked absent (SPEC-3); accepted rows
         its step no longer hands out are read by its next save (SPEC-4). A request that ends
-        or is preempted with unconfirmed drafts has their slots marked absent (SPEC-5).
+        or is preempted with unconfirmed drafts has the slots its step's consume reported
+        rejected marked absent; without a report its draft rows stay as written (SPEC-5).
         """
         if self._unusable:
             self._refuse()
@@ -206,8 +207,7 @@ class CacheCore(CoreQueries):
             hits.forget_request(req_id)
             if drafts:
                 for p in drafts.drop((requests.entry_of(req_id),)):
-                    self._reject(p.slots, tombstones)  # SPEC-5
-                    self.counters.draft_rows_unconfirmed += len(p.slots)
+                    self._settle_at_end(p, tombstones)
             preempted = kind is PrefixCacheEventKind.PREEMPTED
             escalate.extend(self._writes.end_request(req_id, ended=not preempted))
             if preempted:
@@ -571,6 +571,22 @@ class CacheCore(CoreQueries):
             # carries the accepted ones, read back from their slots like a hit.
             catch_up.append((req_id, p.slots[:accepted], p.base, entry))
         return p.slots[accepted:]
+
+    def _settle_at_end(self, p: PendingDrafts, tombstones: list[Tombstone]) -> None:
+        """SPEC-5: the request ends or is preempted with drafts waiting for their count.
+
+        With a count its step's consume reported, the rows above it are rejected (SPEC-3).
+        Without one the cache cannot tell accepted rows from rejected ones: they stay in their
+        slots as written. The engine hashes a block only over tokens it accepted, so a later
+        hit over them finds accepted rows; a rejected row's slot is written again before any
+        block holding it is hashed.
+        """
+        if p.reported is None:
+            self.counters.draft_rows_unconfirmed += len(p.slots)
+            return
+        accepted = p.reported - p.base
+        self.counters.draft_rows_accepted += accepted
+        self._reject(p.slots[accepted:], tombstones)
 
     def _reject(self, slots: SlotArray, tombstones: list[Tombstone]) -> None:
         """SPEC-3: rows that must never be served: reads planned on them fail, their slots

@@ -201,23 +201,48 @@ def test_spec_4_no_read_back_after_a_discard(make_core: MakeCore) -> None:
     assert not plan.reads and positions(plan) == [(6, 7)]
 
 
-def test_spec_5_a_preemption_with_unconfirmed_drafts_marks_them_absent(
+def test_spec_5_a_preemption_without_a_count_leaves_the_draft_rows_and_a_hit_reads_them(
     make_core: MakeCore,
 ) -> None:
-    """PREEMPTED with drafts never confirmed: their slots become ABSENT (no hit may read them);
-    the resume's positions restart at its hit and rows above the cursor are delivered once
-    recomputed (SPEC-5, DLV-3)."""
+    """PREEMPTED with drafts no count confirmed: the cache cannot tell accepted rows from
+    rejected ones, so it leaves them as written. The engine accepted all four and hashed their
+    block: another request's hit over it is served from those rows. The resume's positions
+    restart at its hit and rows above the cursor are delivered once recomputed (SPEC-5,
+    DLV-3)."""
     core = make_core()
     _prefilled(core)
-    published = _drafted(core)
+    published = save(core, [("a", [3, 4, 5, 6, 7])], drafts=[4])
     assert positions(consume(core, published.step_id, ["a"])) == [(3, 4)]
     start(core, preempted("a"))
     table = core._slots.by_key[HIDDEN_KEY]
-    assert [int(table.owner[s]) for s in (4, 5)] == [ABSENT, ABSENT]
-    assert core.counters.draft_rows_unconfirmed == 2
+    assert ABSENT not in [int(table.owner[s]) for s in range(4, 8)]
+    assert core.counters.draft_rows_unconfirmed == 4 and core.counters.draft_rows_rejected == 0
+    start(core, started("b", hit_end=8, block_ids=(0, 1)))
+    hit = save(core, [("b", [12])])
+    plan = consume(core, hit.step_id, ["b"])
+    assert positions(plan) == [(0, 9)] and len(plan.reads) == 1
     start(core, resumed("a", hit_end=0, block_ids=(2, 3)))
-    again = save(core, [("a", [8, 9, 10, 11, 12])])
+    again = save(core, [("a", [8, 9, 10, 11, 13])])
     assert positions(consume(core, again.step_id, ["a"])) == [(4, 5)]
+
+
+def test_spec_5_a_preemption_after_a_reported_count_rejects_the_rest(
+    make_core: MakeCore,
+) -> None:
+    """PREEMPTED after the drafted step's consume reported the count: the rows above it are
+    rejected at the preemption, their slots ABSENT as SPEC-3 says (SPEC-5, SPEC-2)."""
+    core = make_core()
+    _prefilled(core)
+    published = _drafted(core)
+    assert positions(consume(core, published.step_id, ["a"], computed={"a": 5})) == [(3, 5)]
+    start(core, preempted("a"))
+    table = core._slots.by_key[HIDDEN_KEY]
+    assert int(table.owner[4]) != ABSENT and int(table.owner[5]) == ABSENT
+    assert core.counters.draft_rows_accepted == 1 and core.counters.draft_rows_rejected == 1
+    assert core.counters.draft_rows_unconfirmed == 0
+    start(core, started("b", hit_end=8, block_ids=(0, 1)))
+    with pytest.raises(HitUnreadableError):
+        consume(core, save(core, [("b", [12])]).step_id, ["b"])
 
 
 def test_spec_5_a_finish_reports_its_last_steps_count_at_materialize(

@@ -9,7 +9,8 @@ the drafted step's materialize (`ConsumeBegin.computed`). Steps are materialized
 their save, one step late (after the next start), with or without a report, with a request left
 out, or discarded. Requests are preempted (with and without unconfirmed drafts, with and without
 the count) and resumed with ``hit_end`` 0 or block aligned over blocks vLLM would still hold and
-hash (only blocks made of confirmed positions, SPEC-3), and they finish or abort (with and
+hash (only blocks made of accepted positions, confirmed or left unconfirmed by a preemption:
+SPEC-3, SPEC-5), and they finish or abort (with and
 without unconfirmed drafts, SPEC-5).
 
 The oracle is written from the spec, not from the core. Per admission it keeps the *accepted*
@@ -90,6 +91,7 @@ CASES = (
     "resume without a hit",
     "resume with a hit",
     "resume hit above the delivered end",
+    "resume hit over unconfirmed accepted drafts",
     "id reused",
     "discarded drafted step",
     "request left out of a drafted step",
@@ -156,6 +158,8 @@ class Adm:
         #: Accepted drafts a consumed step held back when its count came with a preemption:
         #: only a save reads them back (SPEC-4), so they are owed until the request resumes.
         self.owed: set[int] = set()
+        #: Accepted drafts a preemption left unconfirmed: vLLM hashes them all the same.
+        self.unsettled: set[int] = set()
 
     def next_position(self) -> int:
         """The engine's next position (it knows what its sampler accepted)."""
@@ -229,9 +233,20 @@ class SpeculativeMachine(RuleBasedStateMachine):
         adm.good.update(range(row.base, row.base + row.a))
         adm.c = row.base + row.a
 
-    def _drop_pending(self, adm: Adm) -> None:
-        """An end or a preemption without the count: the drafts never become hits (SPEC-5)."""
+    def _drop_pending(self, adm: Adm, *, preempted: bool) -> None:
+        """An end or a preemption without the count: the core leaves the draft rows as written
+        (SPEC-5). The engine accepted some of them: they are tokens, so vLLM hashes the blocks
+        they fill and a resume may hit them. Until it resumes the request is owed them."""
+        assert adm.pending is not None
+        row = adm.pending[1]
         adm.pending = None
+        if not preempted or row.settled:
+            return
+        accepted = set(range(row.base, row.base + row.a))
+        adm.accepted |= accepted
+        adm.good |= accepted
+        adm.unsettled |= accepted
+        adm.owed |= accepted - adm.delivered
 
     # -----------------------------------------------------------------------------------------
     # Oracle: delivery.
@@ -349,7 +364,7 @@ class SpeculativeMachine(RuleBasedStateMachine):
                         if drafted.consumed:
                             adm.owed = set(range(row.base, row.base + row.a)) - adm.delivered
                     else:
-                        self._drop_pending(adm)
+                        self._drop_pending(adm, preempted=True)
                         self._saw("preempted with unconfirmed drafts")
                 ends.append(preempted(rid))
                 adm.running = False
@@ -359,7 +374,7 @@ class SpeculativeMachine(RuleBasedStateMachine):
                 resuming.append(adm)
             elif action == "end":
                 if adm.pending is not None:
-                    self._drop_pending(adm)
+                    self._drop_pending(adm, preempted=False)
                     self._saw("ended with unconfirmed drafts")
                 ends.append(data.draw(st.sampled_from([finished, aborted]))(rid))
                 if adm.running:
@@ -408,7 +423,7 @@ class SpeculativeMachine(RuleBasedStateMachine):
         self._save(plans, data)
 
     def _draw_hit(self, adm: Adm, data: st.DataObject) -> int:
-        """A resume's hit: blocks still cached (not allocated since) and made of confirmed
+        """A resume's hit: blocks still cached (not allocated since) and made of accepted
         positions only, as vLLM hashes them (SPEC-3, SPEC-5); positions restart there."""
         top = 0
         for j, (block, stamp) in enumerate(adm.parked):
@@ -421,6 +436,9 @@ class SpeculativeMachine(RuleBasedStateMachine):
         top = min(top, (MAX_POS - 1) // BLOCK * BLOCK)
         hit = data.draw(st.sampled_from(range(0, top + 1, BLOCK)), label=f"{adm.rid} hit")
         self._saw("resume with a hit" if hit else "resume without a hit")
+        if any(p < hit for p in adm.unsettled):
+            self._saw("resume hit over unconfirmed accepted drafts")
+        adm.unsettled = set()
         if hit > adm.delivered_end:
             self._saw("resume hit above the delivered end")
         for block, _ in adm.parked[: hit // BLOCK]:

@@ -317,22 +317,30 @@ class HiddenStatesExport:
     # Engine thread.
 
     def step_begin(self, scheduler_output: Any) -> None:
-        """Materialize the steps saved before, then `VllmPrefixCache.step_begin`; the rows and
-        the requests this step ends go to the output thread, in that order."""
+        """`VllmPrefixCache.step_begin` and the materialize of the steps saved before (first
+        unless a drafted one lacks its sampled token ids); the rows and the requests this step
+        ends go to the output thread, in that order."""
         self._raise_if_stopped()
         finished = scheduler_output.finished_req_ids
         ended: list[str] = []
         if finished:
             live = self.cache.live_requests()
             ended = [r for r in finished if r in live]
+        # A drafted step is materialized before the records when its sampler's token ids are
+        # known: the count it reports settles the drafts of requests these records end or
+        # preempt (SPEC-5). Without them, after the records, which confirm the drafts of
+        # requests still running (SPEC-2). Either way its rows reach the output thread before
+        # the requests this step ends.
+        reported = all(s in self._sampled or not self.cache.has_drafts(s) for s, _ in self._saved)
+        if reported:
+            self._materialize_saved()
         try:
             self.cache.step_begin(scheduler_output)
         except BaseException as exc:
             self._stop(exc, "step_begin")
             raise
-        # After the records: a step's drafts are confirmed by then (SPEC-2). Its rows still
-        # reach the output thread before the requests this step ends.
-        self._materialize_saved()
+        if not reported:
+            self._materialize_saved()
         if ended:
             self._queue.put((_ENDED, ended))
 
