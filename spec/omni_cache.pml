@@ -312,14 +312,13 @@ byte g_lost[NADM];                /* positions not yet delivered that a discarde
  * confirmed at save and c + 1 is a draft (k = 1). The engine's count c' (c + 1
  * or c + 2) is fixed when the step computes (the sampler) and reaches the core
  * at the next new_step_starts (computed_tokens) or earlier, when a consume
- * reports it (ConsumeBegin.computed). One draft row per run (DRAFTS), and only
- * at c = 1, so the request owns the block of every position it may go on
+ * reports it (ConsumeBegin.computed). One draft row per run (DRAFTS), at c = 1
+ * or c = 2, so the request owns the block of every position it may go on
  * from and is scheduled again in the step that confirms it (the catch-up of
- * SPEC-4 rides on the request's next save). Preemption is off (SPEC-5's
- * resume part is left to tests). */
-#if PREEMPTS > 0
-#error "SPEC_DRAFTS: preemption of a request with drafts is not modeled; use -DPREEMPTS=0"
-#endif
+ * SPEC-4 rides on the request's next save). A draft at c = 2 is the last row
+ * of the request's table: accepted, the request has nothing left to compute
+ * and finishes with the draft unconfirmed, its block full and hashed (SPEC-5).
+ * A request with an unconfirmed draft may be preempted (PREEMPTS > 0). */
 #ifndef DRAFTS
 #define DRAFTS 1
 #endif
@@ -348,6 +347,7 @@ byte s_cpos[MAXSTEP + 2];
  * unconfirmed (never to be served, SPEC-3). */
 byte g_acc[(MAXSTEP + 2) * 2];
 byte g_rjs[MAXSTEP + 2];
+byte g_acu[MAXSTEP + 2];          /* ... and the accepted draft rows left unconfirmed */
 #endif
 
 /* Budget (BUDGET-1): one unit per clone allocation. */
@@ -804,8 +804,8 @@ inline replan_catchup(K) {
   }
 }
 
-/* SPEC-3: rows that must never be served (rejected drafts, or drafts left
- * unconfirmed by a finish, SPEC-5): their slot becomes ABSENT for every key,
+/* SPEC-3: rows that must never be served (rejected drafts, at their
+ * confirmation or, with a reported count, at an end, SPEC-5): their slot becomes ABSENT for every key,
  * version bumped (copy-on-write first, as for any change of a slot, HIT-6),
  * and the writes still carrying them are tombstoned, so their rows never
  * reach the pool. */
@@ -893,11 +893,11 @@ inline choose_tokens(K, r, n) {
   :: !CAN(r, 1) -> n = 0
   fi;
 #ifdef SPEC_DRAFTS
-  /* SPEC: a step of two rows from position 1 may carry the second as a
-   * draft (positions [1, 3): 1 confirmed, 2 a draft); the request owns the
-   * block of every position it may go on from (2 or 3). */
+  /* SPEC: a step of two rows from position 1 or 2 may carry the second as a
+   * draft (positions [1, 3) or [2, 4)); the request owns the block of every
+   * position it may go on from (2 or 3; 3, or none at the table's end). */
   if
-  :: n == 2 && e_pos[r] == 1 && drafts_left > 0 ->
+  :: n == 2 && (e_pos[r] == 1 || e_pos[r] == 2) && drafts_left > 0 ->
      if
      :: skip
      :: c_dk[r] = 1; drafts_left--
@@ -927,9 +927,10 @@ inline choose_new_tokens(K, r, n) {
 #else
      if
      :: c_dk[r] != 0 ->
-        /* The draft row is computed but not hashed: its block is published
-         * only once the row is confirmed (SPEC-5: the engine never hashed an
-         * unconfirmed block). The sampler's count c' is fixed now. */
+        /* The draft row is computed but not hashed yet: the sampler's count
+         * c' is fixed now, and the engine hashes the row's block once the
+         * output is processed, if the row was accepted (at the next step's
+         * start, whatever becomes of the request: SPEC-5). */
         e_dstep[r] = K; e_dpos[r] = e_pos[r] - c_dk[r];
         e_dslot[r] = (e_blk[r * 2 + e_dpos[r] / 2] - 1) * 2 + e_dpos[r] % 2;
         b_fill[e_dslot[r] / 2]--; b_cached[e_dslot[r] / 2] = (b_fill[e_dslot[r] / 2] == BS);
@@ -1067,19 +1068,29 @@ inline end_or_preempt(K, r) {
 }
 
 #ifdef SPEC_DRAFTS
-/* SPEC-2: the engine's side of the acceptance, at the next step's start. A
- * request that finishes with its drafts unconfirmed never hashes them
- * (SPEC-5); one that runs on reports its count c' (computed_tokens): an
- * accepted row is hashed now (its block may be hit in this very step), a
- * rejected one is recomputed from c', in this step (the request owns the
- * block). Rejected and dropped rows are never to be served (ghost g_rjs). */
+/* SPEC-2: the engine's side of the acceptance, at the next step's start. An
+ * accepted row is a token: the engine hashes its block now if the block is
+ * full, whether the request runs on, finishes or is preempted (SPEC-5), so
+ * it may be hit in this very step, by another request or a resume. A request
+ * that runs on reports its count c' (computed_tokens), and a rejected row is
+ * recomputed from c' in this step (the request owns the block); one that
+ * ends or is preempted reports none. A rejected row is never hashed and
+ * never to be served (ghost g_rjs); an accepted row left unconfirmed is
+ * recorded (ghost g_acu) for the probe of a hit over it. */
 inline engine_confirm(K, r) {
   if
-  :: e_dstep[r] != 0 && (c_fin[r] || !e_live[r]) ->
-     g_rjs[e_dstep[r]] = g_rjs[e_dstep[r]] | BIT(e_dslot[r]);
-     gt0[e_dslot[r]] = 0; gt1[e_dslot[r]] = 0;
+  :: e_dstep[r] != 0 && (c_fin[r] || c_pre[r] || !e_live[r]) ->
+     if
+     :: e_acc[r] > e_dpos[r] ->
+        b_fill[e_dslot[r] / 2]++;
+        b_cached[e_dslot[r] / 2] = (b_fill[e_dslot[r] / 2] == BS);
+        g_acu[e_dstep[r]] = g_acu[e_dstep[r]] | BIT(e_dslot[r])
+     :: else ->
+        g_rjs[e_dstep[r]] = g_rjs[e_dstep[r]] | BIT(e_dslot[r]);
+        gt0[e_dslot[r]] = 0; gt1[e_dslot[r]] = 0
+     fi;
      e_dstep[r] = 0; e_dpos[r] = 0; e_dslot[r] = 0; e_acc[r] = 0
-  :: e_dstep[r] != 0 && !c_fin[r] && e_live[r] ->
+  :: e_dstep[r] != 0 && !c_fin[r] && !c_pre[r] && e_live[r] ->
      c_conf[r] = e_acc[r] + 1;
      if
      :: e_acc[r] > e_dpos[r] ->
@@ -1143,12 +1154,27 @@ inline apply_confirm(K, r) {
   fi
 }
 
-/* SPEC-5: a finish of a request whose last step is unconfirmed: those
- * positions become ABSENT (no hit may read them: one would raise, HIT-4). */
+/* SPEC-5: a finish or preemption of a request whose drafts wait for their
+ * count (_core.CacheCore._settle_at_end). With a count the drafted step's
+ * consume reported, the rows above it are rejected as SPEC-3 says. Without
+ * one the core cannot tell accepted rows from rejected ones and leaves them
+ * as written: the engine hashes a block only over accepted rows, and a
+ * rejected row's slot is written again before any block holding it is. */
 inline drop_drafts(r) {
   if
   :: r_dstep[r] != 0 ->
-     reject_slot(r_dslot[r]); REACH(39);
+#ifndef BUG_SPEC_END_MARKS_ACCEPTED_ABSENT
+     if
+     :: r_rep[r] != 0 && r_rep[r] - 1 == r_dpos[r] ->
+        reject_slot(r_dslot[r]); REACH(39)           /* a reported count rejects at the end */
+     :: r_rep[r] == 0 -> REACH(42)                  /* no count: the rows stay as written */
+     :: else -> skip
+     fi;
+#else
+     /* The first design: every unconfirmed draft becomes ABSENT at the end, so
+      * a correct hit over an accepted one raises (HIT-4). */
+     reject_slot(r_dslot[r]);
+#endif
      r_dstep[r] = 0; r_dpos[r] = 0; r_dslot[r] = 0; r_rep[r] = 0
   :: else -> skip
   fi
@@ -1216,6 +1242,10 @@ inline apply_end(r) {
      fi;
      escalate(r_def[r]); escalate(r_jns[r]);
 #ifdef SPEC_DRAFTS
+     if
+     :: c_pre[r] && r_dstep[r] != 0 -> REACH(44)    /* a preemption with an unconfirmed draft */
+     :: else -> skip
+     fi;
      drop_drafts(r);
      /* SLOT-5: the older write the request left after a rollback goes too. */
      if
@@ -1841,6 +1871,11 @@ inline check_read(e, K) {
         /* SPEC-3: a hit on a block that held a rejected row, recomputed. */
         if
         :: px != 0 && g_rjs[px - 1] != 0 && HAS(g_rjs[px - 1], RE_SLOT(e)) -> REACH(41)
+        :: else -> skip
+        fi;
+        /* SPEC-5: a hit over an accepted draft no count confirmed. */
+        if
+        :: px != 0 && HAS(g_acu[px], RE_SLOT(e)) -> REACH(43)
         :: else -> skip
         fi
      fi;

@@ -43,10 +43,14 @@ LIVE_RESUME_DEFS="-DSTARTS=1"
 # Liveness with three steps (the claims name task ids 1..9).
 SPEC_DEFS="-DSPEC_DRAFTS -DPREEMPTS=0 -DSTARTS=2 -DMAXSTEP=4"
 LIVE_SPEC_DEFS="-DSPEC_DRAFTS -DPREEMPTS=0 -DSTARTS=2"
+# Drafts with preemption (SPEC-5): three steps, a draft in step 2 and the
+# preemption that leaves it unconfirmed in step 3, with its resume.
+SPEC_RESUME_DEFS="-DSPEC_DRAFTS -DSTARTS=2"
 # Reachability probes each configuration must produce (REACH(k) in the model).
 PROBES_BASE="1 2 3 4 5 6 7 8 9 10 11 13 14 15 16 17 18 19 20 21 22 23 29 32"
 PROBES_RESUME="1 2 3 4 5 7 8 9 10 11 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33"
-PROBES_SPEC="1 2 3 4 5 7 8 9 10 11 13 14 15 16 17 18 19 20 21 22 23 29 32 34 35 36 37 38 39 40 41"
+PROBES_SPEC_RESUME="24 25 26 27 31 33 34 35 36 37 38 39 40 42 43 44"
+PROBES_SPEC="1 2 3 4 5 7 8 9 10 11 13 14 15 16 17 18 19 20 21 22 23 29 32 34 35 36 37 38 39 40 41 42 43"
 
 # name | kind | spin -D flags | claim (reach: the probes)
 CHECKS=(
@@ -57,11 +61,13 @@ CHECKS=(
   "live_resume_pages_released|live|$LIVE_RESUME_DEFS|pages_released"
   "live_resume_writes_end|live|$LIVE_RESUME_DEFS|writes_end"
   "safety_spec|safety|$SPEC_DEFS|"
+  "safety_spec_resume|safety|$SPEC_RESUME_DEFS|"
   "live_spec_pages_released|live|$LIVE_SPEC_DEFS|pages_released"
   "live_spec_writes_end|live|$LIVE_SPEC_DEFS|writes_end"
   "reach|reach|-DPROBES $BASE_DEFS|$PROBES_BASE"
   "reach_resume|reach|-DPROBES $RESUME_DEFS|$PROBES_RESUME"
   "reach_spec|reach|-DPROBES $SPEC_DEFS|$PROBES_SPEC"
+  "reach_spec_resume|reach|-DPROBES $SPEC_RESUME_DEFS|$PROBES_SPEC_RESUME"
   "bug_wake_early|bad|$BASE_DEFS|"
   "bug_barrier_host_ready|bad|$BASE_DEFS|"
   "bug_requeue|bad|$BASE_DEFS|"
@@ -76,6 +82,7 @@ CHECKS=(
   "bug_spec_delivers_rejected|bad|$SPEC_DEFS|"
   "bug_spec_rejected_hit|bad|$SPEC_DEFS|"
   "bug_spec_no_catchup|bad|$SPEC_DEFS|"
+  "bug_spec_end_marks_accepted_absent|bad|$SPEC_DEFS|"
   "bug_failed_keeps_page|badlive|$LIVE_DEFS|pages_released"
   "bug_lost_escalation|badlive|$LIVE_DEFS|writes_end"
 )
