@@ -44,11 +44,12 @@ from omni_cache_core._contract import (
     PrefixCacheConfig,
     PrefixCacheEventKind,
     ReqId,
+    StepId,
     Tid,
 )
 from omni_cache_core._counters import CoreCounters
 from omni_cache_core._delivery import Admissions, RequestState
-from omni_cache_core._drafts import Drafts, PendingDrafts
+from omni_cache_core._drafts import Confirmed, Drafts, distinct_counts
 from omni_cache_core._errors import (
     BadInputError,
     HitUnreadableError,
@@ -187,7 +188,7 @@ class CacheCore(CoreQueries):
         confirms = (
             drafts.check_confirm(computed, requests.entries_by_request)
             if drafts and computed
-            else []
+            else None
         )
         ending, starting = requests.split_records(inp.step.events, hits.check_hit)
         # From here on nothing raises: the step is applied whole.
@@ -196,8 +197,7 @@ class CacheCore(CoreQueries):
         tombstones: list[Tombstone] = []
         catch_up: list[tuple[ReqId, SlotArray, int, int]] = []
         if confirms:
-            rejected = [self._confirm(r, entry, count, catch_up) for r, entry, count in confirms]
-            self._reject(np.concatenate(rejected), tombstones)
+            self._reject(self._confirm(confirms, catch_up), tombstones)
         # D10: hits of a start that no save followed can never be served; their requests must
         # end (or be preempted and resumed) before they are saved again.
         hits.on_start()
@@ -206,8 +206,7 @@ class CacheCore(CoreQueries):
                 continue  # the end of a request the cache never saw: nothing to do
             hits.forget_request(req_id)
             if drafts:
-                for p in drafts.drop((requests.entry_of(req_id),)):
-                    self._settle_at_end(p, tombstones)
+                self._settle_at_end(requests.entry_of(req_id), tombstones)
             preempted = kind is PrefixCacheEventKind.PREEMPTED
             escalate.extend(self._writes.end_request(req_id, ended=not preempted))
             if preempted:
@@ -394,7 +393,7 @@ class CacheCore(CoreQueries):
                 expected="a subset of the requests saved in that step (STEP-4)",
                 got=f"requests outside the save snapshot: {outside}",
             )
-        if inp.computed and step.unconfirmed:
+        if inp.computed and step.valid is not step.hi and self._drafts:
             self._report(step, inp.computed)
         if whole:
             entries, lo, hi, valid = step.entries, step.lo, step.hi, step.valid
@@ -549,30 +548,33 @@ class CacheCore(CoreQueries):
             self._pages.let_go(page, HolderKind.TASK, task.tid)  # PAGE-3
 
     def _confirm(
-        self,
-        req_id: ReqId,
-        entry: int,
-        count: int,
-        catch_up: list[tuple[ReqId, SlotArray, int, int]],
+        self, confirmed: Confirmed, catch_up: list[tuple[ReqId, SlotArray, int, int]]
     ) -> SlotArray:
-        """SPEC-2: the engine computed `count` positions of the request: accept its drafts
-        below it and roll its next position back to `count`. Returns the rejected drafts'
-        slots, which the caller marks for every confirmed request at once (SPEC-3)."""
-        p = self._drafts.confirm(entry)
-        accepted = count - p.base
-        self.counters.draft_rows_accepted += accepted
-        self._requests.computed[entry] = count
-        step = self._saved.get(p.step_id)
-        if step is not None and not step.consuming:
-            step.valid[p.index] = count  # its materialize hands the accepted rows out
-            step.unconfirmed.discard(p.index)
-        elif accepted and self._requests.cursor[entry] == p.base:
+        """SPEC-2: the engine computed `counts` positions of the requests: accept their drafts
+        below them and roll their next positions back. Returns the rejected drafts' slots,
+        which the caller marks at once (SPEC-3)."""
+        drafts = self._drafts
+        entries, counts = confirmed.entries, confirmed.counts
+        steps, index, base = drafts.where(entries)
+        accepted = counts - base
+        self.counters.draft_rows_accepted += int(accepted.sum())
+        for s, _ in distinct_counts(steps):
+            mine = steps == s
+            step = self._saved.get(StepId(s))
+            if step is not None and not step.consuming:
+                step.valid[index[mine]] = counts[mine]  # its materialize hands them out
+                continue
             # SPEC-4: the step handed out its confirmed rows only; the request's next save
             # carries the accepted ones, read back from their slots like a hit.
-            catch_up.append((req_id, p.slots[:accepted], p.base, entry))
-        return p.slots[accepted:]
+            owed = mine & (accepted > 0) & (self._requests.cursor[entries] == base)
+            for i in np.flatnonzero(owed).tolist():
+                e, count = int(entries[i]), int(counts[i])
+                slots = drafts.accepted_slots(e, count)
+                catch_up.append((confirmed.req_ids[i], slots, int(base[i]), e))
+        self._requests.computed[entries] = counts
+        return drafts.take(confirmed)
 
-    def _settle_at_end(self, p: PendingDrafts, tombstones: list[Tombstone]) -> None:
+    def _settle_at_end(self, entry: int, tombstones: list[Tombstone]) -> None:
         """SPEC-5: the request ends or is preempted with drafts waiting for their count.
 
         With a count its step's consume reported, the rows above it are rejected (SPEC-3).
@@ -581,12 +583,18 @@ class CacheCore(CoreQueries):
         hit over them finds accepted rows; a rejected row's slot is written again before any
         block holding it is hashed.
         """
-        if p.reported is None:
-            self.counters.draft_rows_unconfirmed += len(p.slots)
+        drafts = self._drafts
+        steps, _, _ = drafts.where(np.array([entry], dtype=np.int64))
+        step = self._saved.get(StepId(int(steps[0]))) if steps[0] else None
+        settled = drafts.settle_at_end(entry, step is not None and not step.consuming)
+        if settled is None:
             return
-        accepted = p.reported - p.base
+        accepted, slots = settled
+        if accepted < 0:
+            self.counters.draft_rows_unconfirmed += len(slots)
+            return
         self.counters.draft_rows_accepted += accepted
-        self._reject(p.slots[accepted:], tombstones)
+        self._reject(slots, tombstones)
 
     def _reject(self, slots: SlotArray, tombstones: list[Tombstone]) -> None:
         """SPEC-3: rows that must never be served: reads planned on them fail, their slots
@@ -599,35 +607,33 @@ class CacheCore(CoreQueries):
 
     def _report(self, step: Step, computed: Mapping[ReqId, int]) -> None:
         """SPEC-2: a consume reports computed counts after its step's sampler: they confirm
-        the step's drafts for its delivery (the slots roll back at the next start).
+        the step's drafts for its delivery (the slots roll back at the next start, or at the
+        request's end: SPEC-5). Counts of requests without unreported drafts here are ignored.
 
         Raises:
             BadInputError: A count outside the drafts' range; nothing changes.
         """
-        index = {r: i for i, r in enumerate(step.req_ids)}
-        found: list[tuple[int, int]] = []
-        for req_id, count in computed.items():
-            i = index.get(req_id)
-            if i is None or i not in step.unconfirmed:
-                continue
-            if not step.valid[i] <= count <= step.hi[i]:
-                raise BadInputError(
-                    what=f"computed-token count of request {req_id!r}",
-                    expected=f"a count in [{int(step.valid[i])}, {int(step.hi[i])}] "
-                    f"(step {step.step_id}'s drafts)",
-                    got=str(count),
-                )
-            found.append((i, count))
-        for i, count in found:
-            step.valid[i] = count
-            step.unconfirmed.discard(i)
-            p = self._drafts.pending_of(int(step.entries[i]))
-            if p is not None and p.step_id == step.step_id:
-                p.reported = count
+        n = len(computed)
+        counts = np.fromiter(computed.values(), np.int64, n)
+        if tuple(computed) == step.req_ids:
+            rows = np.arange(n, dtype=np.int64)
+            req_ids = list(step.req_ids)
+        else:
+            index = {r: i for i, r in enumerate(step.req_ids)}
+            rows = np.fromiter((index.get(r, -1) for r in computed), np.int64, n)
+            known = rows >= 0
+            req_ids = [ReqId(r) for r, k in zip(computed, known.tolist(), strict=True) if k]
+            rows, counts = rows[known], counts[known]
+        entries = step.entries[rows]
+        fresh = self._drafts.check_report(step.step_id, req_ids, entries, counts)
+        step.valid[rows[fresh]] = counts[fresh]
+        self._drafts.report(entries[fresh], counts[fresh])
 
     def _end_step(self, step: Step) -> None:
         """D5: a step ends (discarded, consumed, or refused): its page holder and reads go."""
         self._saved.remove(step)
+        if self._drafts:
+            self._drafts.on_step_end(step.step_id, step.entries)
         if self._requests.ended:
             self._requests.on_step_end(self._saved.entry_arrays())
         self._pages.let_go(step.page, HolderKind.STEP, step.step_id)

@@ -61,7 +61,6 @@ class Step:
         "row_bounds",
         "step_id",
         "tid",
-        "unconfirmed",
         "valid",
     )
 
@@ -96,10 +95,6 @@ class Step:
         #: draft rows count only once confirmed (SPEC-1, SPEC-2). Its own array when the step
         #: has drafts (a confirmation raises it in place), else `hi` itself.
         self.valid = hi if valid is None else valid
-        #: Layout indexes of the requests whose draft rows here are not confirmed yet.
-        self.unconfirmed: set[int] = (
-            set() if valid is None else set(np.flatnonzero(valid < hi).tolist())
-        )
         self.consuming = False
         self.consume_deadline_ns: int | None = None
         #: While a materialize consumes it: the entries it delivered to, their cursors before

@@ -546,22 +546,21 @@ def _drafts_never_cut(self: Drafts, step_id: Any, entries: Any, hi: Any, *args: 
     return hi.copy()
 
 
-def _no_read_back(
-    self: CacheCore, req_id: Any, entry: int, count: int, catch_up: list[Any]
-) -> SlotArray:
+def _no_read_back(self: CacheCore, confirmed: Any, catch_up: list[Any]) -> SlotArray:
     """A core that forgets SPEC-4: accepted rows a consumed step held back are never read."""
-    return _REAL_CONFIRM(self, req_id, entry, count, [])
+    return _REAL_CONFIRM(self, confirmed, [])
 
 
-def _rejected_handed_out(
-    self: CacheCore, req_id: Any, entry: int, count: int, catch_up: list[Any]
-) -> SlotArray:
+def _rejected_handed_out(self: CacheCore, confirmed: Any, catch_up: list[Any]) -> SlotArray:
     """A core that forgets SPEC-3: a step consumed after its count hands out rejected rows."""
-    p = self._drafts.pending_of(entry)
-    rejected = _REAL_CONFIRM(self, req_id, entry, count, catch_up)
-    step = self._saved.get(p.step_id) if p is not None else None
-    if p is not None and step is not None and not step.consuming:
-        step.valid[p.index] = p.end
+    drafts = self._drafts
+    steps, index, _ = drafts.where(confirmed.entries)
+    ends = drafts._end[confirmed.entries].copy()
+    rejected = _REAL_CONFIRM(self, confirmed, catch_up)
+    for s, i, end in zip(steps.tolist(), index.tolist(), ends.tolist(), strict=True):
+        step = self._saved.get(s)
+        if step is not None and not step.consuming:
+            step.valid[i] = end
     return rejected
 
 
