@@ -90,11 +90,17 @@ FRESH_TRACES = int(os.environ.get("TRACE_COUNT", "200"))
 MAX_SEEDS = 4 * FRESH_TRACES
 #: Simulation steps per trace; a whole run of the model takes a few hundred.
 MAX_STEPS = 20_000
+#: Speculative decoding (SPEC-1..SPEC-5): the bounds of the model checks `safety_spec` (four steps,
+#: no preemption) and `safety_spec_resume` (drafts with preemption), in the seeds' rotation too.
+SPEC_DEFINES: tuple[tuple[str, ...], ...] = (
+    ("-DSPEC_DRAFTS", "-DPREEMPTS=0", "-DSTARTS=2", "-DMAXSTEP=4"),
+    ("-DSPEC_DRAFTS", "-DSTARTS=2"),
+)
 #: Model variants the seeds rotate through: the defaults (one preemption); a budget of one clone
 #: (saves flush); no committer failures and a fourth step (blocks are reused, hits read rows); no
 #: failures or timeouts and a roomy budget (long runs); no committer failures (waits run out
 #: instead); no preemption; two preemptions over four steps with no faults (resumes whose hit
-#: reads rows, delivery cut below the cursor).
+#: reads rows, delivery cut below the cursor); the two speculative-decoding variants.
 DEFINES: tuple[tuple[str, ...], ...] = (
     (),
     ("-DBUDGET=1",),
@@ -103,6 +109,7 @@ DEFINES: tuple[tuple[str, ...], ...] = (
     ("-DFAILURES=0",),
     ("-DPREEMPTS=0",),
     ("-DFAULTS=0", "-DMAXSTEP=4", "-DPREEMPTS=2", "-DBUDGET=4"),
+    *SPEC_DEFINES,
 )
 
 ACT = re.compile(r"^ACT (?P<name>\w+)(?P<args>(?: \w+=[-\w]+)*)(?: -> (?P<result>.*))?$")
@@ -329,6 +336,8 @@ class _Consume:
     """One consume of a step in progress."""
 
     discard: bool
+    #: Counts the consume reports for drafted requests (ConsumeBegin.computed, SPEC-2).
+    computed: dict[ReqId, int] | None = None
     result: ConsumePlan | AwaitTasks | None = None
     #: Per request of the step: the positions the model says it delivered (DLV-2, DLV-7).
     delivered: dict[ReqId, tuple[int, int]] = attrs.Factory(dict)
@@ -384,6 +393,10 @@ class Replay:
         self.finishes: list[tuple[ReqId, PrefixCacheEventKind]] = []
         self.starts: list[PrefixCacheRequestEvent] = []
         self.sched: dict[int, tuple[tuple[int, ...], bool]] = {}
+        # Speculative decoding (SPEC-2): draft rows per request of the composed step
+        # (SaveBegin.drafts) and the counts its computed_tokens confirms.
+        self.drafts: dict[int, int] = {}
+        self.computed: dict[str, int] = {}
         # The save in progress.
         self.save_step: int | None = None
         self.save_effect: Any = None
@@ -507,6 +520,13 @@ class Replay:
             for p in range(pos, pos + n)
         )
         self.sched[act.num("req")] = (slots, act.args["key1"] == "1")
+        # SPEC: the last `draft` rows are drafts; `computed` confirms earlier drafts (SPEC-2).
+        if int(act.args.get("draft", 0)):
+            self.drafts[act.num("req")] = act.num("draft")
+            self.checked["drafts"] += 1
+        if "computed" in act.args:
+            self.computed[act.args["req"]] = act.num("computed")
+            self.checked["computed_tokens"] += 1
 
     def on_new_step(self, act: Act) -> None:
         """new_step_starts: finishes first, then starts (HIT-2)."""
@@ -517,12 +537,14 @@ class Replay:
         events = [PrefixCacheRequestEvent(req_id=r, kind=kind) for r, kind in self.finishes]
         events += self.starts
         scheduled = {str(r): len(slots) for r, (slots, _) in self.sched.items()}
-        step = PrefixCacheStep(events=events, scheduled_tokens=scheduled)
+        step = PrefixCacheStep(
+            events=events, scheduled_tokens=scheduled, computed_tokens=self.computed
+        )
         inp = StartStep(step=step, now_ns=self.now_ns)
-        self.finishes, self.starts = [], []
+        self.finishes, self.starts, self.computed = [], [], {}
         if act.error is not None:
             self.expect_error(act.error, lambda: self.feed(inp), unchanged=True)
-            self.sched = {}
+            self.sched, self.drafts = {}, {}
             return
         effects = self.expect_ok(lambda: self.feed(inp))
         self.run_effects(effects, step=None)
@@ -538,6 +560,11 @@ class Replay:
         slots = tuple(s for r in reqs for s in self.sched[r][0])
         bounds = np.cumsum([0, *(len(self.sched[r][0]) for r in reqs)]).astype(np.int64)
         emits = any(emit for _, emit in self.sched.values())
+        drafts = (
+            np.asarray([self.drafts.get(r, 0) for r in reqs], dtype=np.int64)
+            if self.drafts
+            else None
+        )
         self.save_step = step
         self.save_slots = slots
         self.save_layout = tuple(ReqId(str(r)) for r in reqs)
@@ -553,6 +580,7 @@ class Replay:
                 deferred_keys=(self.deferred_key,) if emits else (),
                 immediate_bytes=1,
                 deferred_bytes=1 if emits else 0,
+                drafts=drafts,
             )
         )
 
@@ -569,7 +597,7 @@ class Replay:
         self.feed(SaveAbort())
         self.save_step = None
         self.save_effect = None
-        self.sched = {}
+        self.sched, self.drafts = {}, {}
 
     def fail_save(self, kind: str, call: Callable[[], Any]) -> None:
         """The model's save failed with `kind` here: the core must raise it, then abort."""
@@ -684,7 +712,7 @@ class Replay:
         self.run_effects(published.effects, step=step)
         self.save_step = None
         self.save_effect = None
-        self.sched = {}
+        self.sched, self.drafts = {}, {}
 
     # -----------------------------------------------------------------------------------------
     # Builder: consume.
@@ -699,7 +727,9 @@ class Replay:
     def begin_consume(self, step: _Step, consume: _Consume) -> None:
         """ConsumeBegin; keep what it returned or raised for the model's next lines."""
         wanted = None if consume.discard else step.req_ids
-        inp = ConsumeBegin(step_id=StepId(step.step), req_ids=wanted, now_ns=self.now_ns)
+        inp = ConsumeBegin(
+            step_id=StepId(step.step), req_ids=wanted, now_ns=self.now_ns, computed=consume.computed
+        )
         try:
             consume.result = self.feed(inp)
         except Exception as err:
@@ -744,6 +774,10 @@ class Replay:
             step.consume = None
             return
         step.consume = _Consume(discard=False)
+        if "computed" in act.args:
+            # SPEC-2: the consume reports the drafted request's count (ConsumeBegin.computed).
+            step.consume.computed = {ReqId(act.args["req"]): act.num("computed")}
+            self.checked["consume:computed"] += 1
         if act.error is not None:
             inp = ConsumeBegin(step_id=StepId(step.step), req_ids=step.req_ids, now_ns=self.now_ns)
             step.consume.error = self.expect_error(act.error, lambda: self.feed(inp))
@@ -790,6 +824,9 @@ class Replay:
             raise Disagreement(f"slot {slot} is not once in the plan's read {read.slots.tolist()}")
         got = self.read_row(step, read, positions[0])
         self.checked[self.source_name(read, positions[0])] += 1
+        if act.args.get("catchup") == "1":
+            # SPEC-4: accepted draft rows read back from their slot by the next save.
+            self.checked["read:catchup"] += 1
         want = int(act.result["val"])
         if got != want:
             source = SlotSource(int(read.source[positions[0]])).name
@@ -1225,3 +1262,62 @@ def test_fresh_model_traces_replay_through_the_core(capsys: pytest.CaptureFixtur
         )
     assert not failures, f"{len(failures)} traces disagree; first:\n{failures[0]}"
     assert replayed >= FRESH_TRACES, f"only {replayed} traces with a save in {tried} seeds"
+
+
+def spec_traces() -> list[Trace]:
+    """The committed speculative-decoding traces (made with -DSPEC_DRAFTS)."""
+    return [
+        read_trace_file(path)
+        for path in committed_traces()
+        if "-DSPEC_DRAFTS" in read_trace_file(path).defines
+    ]
+
+
+def test_the_speculative_traces_show_a_rejection_a_catch_up_and_a_hit_over_a_draft() -> None:
+    """The committed -DSPEC_DRAFTS traces feed drafts (SaveBegin.drafts), a rejecting count
+    (SPEC-2, SPEC-3), a catch-up read (SPEC-4), a preemption with an unconfirmed draft and a
+    hit, after a finish, on the block whose last row is an accepted draft no count confirmed
+    (SPEC-5), and replay."""
+    checked: Counter[str] = Counter()
+    rejected = hit_over_draft = preempted = False
+    for trace in spec_traces():
+        checked += replay(trace).checked
+        acts = trace.acts()
+        drafted = {
+            (a.num("step"), a.num("req")): a for a in acts if a.name == "sched" and a.num("draft")
+        }
+        for (step, req), sched in drafted.items():
+            draft_pos = sched.num("pos") + sched.num("n") - 1
+            blocks = (sched.num("blk0"), sched.num("blk1"))
+            slot = blocks[draft_pos // 2] * 2 + draft_pos % 2
+            later = [a for a in acts if int(a.args.get("step", 0)) > step]
+            counts = [
+                a.num("computed") for a in later if a.name == "sched" and "computed" in a.args
+            ]
+            rejected |= bool(counts) and counts[0] == draft_pos
+            ended = [a for a in later if a.name in ("finish", "preempt") and a.num("req") == req]
+            preempted |= bool(ended) and not counts and ended[0].name == "preempt"
+            hit_over_draft |= (
+                bool(ended)
+                and not counts
+                and ended[0].name == "finish"
+                and any(
+                    a.name == "read"
+                    and a.num("slot") == slot
+                    and a.num("key") == 0
+                    and a.num("step") >= ended[0].num("step")
+                    and a.result == {"val": str(step)}
+                    for a in later
+                )
+            )
+    assert checked["drafts"] >= 4 and checked["computed_tokens"] >= 2
+    assert checked["read:catchup"] >= 2
+    assert rejected and preempted and hit_over_draft
+
+
+def test_a_wrong_draft_count_in_a_trace_is_caught() -> None:
+    """A trace whose computed_tokens accepts the draft the model rejected fails the replay."""
+    trace = next(t for t in spec_traces() if any("computed=2" in line for line in t.lines))
+    lines = tuple(line.replace("computed=2", "computed=3") for line in trace.lines)
+    with pytest.raises(Disagreement):
+        replay(attrs.evolve(trace, lines=lines))
