@@ -18,6 +18,13 @@ scheduling), saves, and hands the step to an output-builder thread one step late
 materializes it and checks every row it receives against the recompute, and that each position
 of each admission is delivered exactly once.
 
+Drafts: when the scheduler sends some (a speculative config, `spec_harness`), the runner computes
+each draft position's row from the draft token, so a wrong draft gives a wrong row, and samples
+like vLLM's rejection sampler with a greedy target (`Engine.accept`). Subclasses plug in through
+the hooks of `Engine`: the config, the drafter (`Engine.update`), what a step's count, a join
+or a computed chunk means to them, how a saved step is materialized (`Engine.deliver`), and
+what each ended admission is owed (`Engine.owed`).
+
 Engine loops:
 
 - sync: ``schedule`` -> execute -> ``update_from_output``, one step at a time.
@@ -218,14 +225,28 @@ class Admission:
         self.req_id = req_id
         self.number = number
         self.truth = Truth(prompt)
-        self.computed_end = 0  # positions [0, computed_end) were computed (hits included)
+        self.computed_end = 0  # accepted positions [0, computed_end) were computed (hits too)
+        self.accepted: set[int] = set()  # positions computed from the true tokens, or hit
         self.delivered = collections.Counter[int]()
         self.request: Request | None = None
         self.last_hit = 0
         self.started = False
+        self.lock = threading.Lock()  # the builder thread reads `accepted`, writes `delivered`
 
     def __repr__(self) -> str:
         return f"Admission({self.req_id!r}#{self.number})"
+
+
+@dataclasses.dataclass
+class StepOfRequest:
+    """What one step computed for one request."""
+
+    start: int  # num_computed_tokens: the step's first position
+    confirmed_end: int  # first draft position (== end without drafts)
+    accepted_end: int  # first rejected position (== end when every draft was accepted)
+    end: int  # start + scheduled tokens
+    joining: bool  # the request started or resumed in this step
+    slots: list[int]  # the KV slot of each position in [start, end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +270,17 @@ class Workload:
 
 
 class Engine:
-    """vLLM's scheduler, a fake runner saving through a `VllmPrefixCache`, a builder thread."""
+    """vLLM's scheduler, a fake runner saving through a `VllmPrefixCache`, a builder thread.
+
+    Hooks for subclasses (`spec_harness.SpecEngine`): `make_config`, `before_step_begin`,
+    `running`, `joined`, `computed`, `after_forward`, `deliver`, `checked`, `update` and
+    `owed`; `counts_type` and `admission_type` name the classes of the figures and admissions.
+    """
+
+    counts_type: type[Counts] = Counts
+    admission_type: type[Admission] = Admission
+    #: Finished ids may come back as new requests (`Workload.reuse_prob`).
+    reuses_ids = True
 
     def __init__(
         self,
@@ -266,7 +297,7 @@ class Engine:
         monkeypatch: Any,
     ) -> None:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
-        self.vllm_config = make_vllm_config(
+        self.vllm_config = self.make_config(
             block_size=block_size,
             num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
@@ -295,7 +326,7 @@ class Engine:
         )
         assert self.cache.max_concurrent_batches == self.depth
         self.rng = random.Random(seed)
-        self.counts = Counts()
+        self.counts = self.counts_type()
         self.admissions: list[Admission] = []
         self.current: dict[str, Admission] = {}  # req_id -> its current admission
         # The runner's own per-request state (token lists it feeds forward).
@@ -306,12 +337,21 @@ class Engine:
         self.step_index = 0
         self.last_scheduled: dict[str, int] = {}  # req_id -> last step index naming it
         self.processed = 0  # steps whose output the scheduler has processed
+        # step id -> per request what it computed (read by the checks on the builder thread).
+        self.steps: dict[int, dict[str, StepOfRequest]] = {}
         # Builder thread: materializes one step late.
         self._pending: tuple[Any, ...] | None = None
         self._builds: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._errors: list[BaseException] = []
-        self._builder = threading.Thread(target=self._build_loop, name="output-builder")
+        # A daemon: a failed run must not keep the test process alive.
+        self._builder = threading.Thread(
+            target=self._build_loop, name="output-builder", daemon=True
+        )
         self._builder.start()
+
+    def make_config(self, **kwargs: Any) -> VllmConfig:
+        """The engine's `VllmConfig` (keywords of `make_vllm_config`)."""
+        return make_vllm_config(**kwargs)
 
     # --- requests ---
 
@@ -319,7 +359,7 @@ class Engine:
         self, req_id: str, prompt: Sequence[int], max_tokens: int, stop: bool = False
     ) -> Admission:
         number = sum(1 for a in self.admissions if a.req_id == req_id)
-        adm = Admission(req_id, number, prompt)
+        adm = self.admission_type(req_id, number, prompt)
         params = SamplingParams(
             max_tokens=max_tokens,
             ignore_eos=True,
@@ -345,7 +385,37 @@ class Engine:
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
         self.counts.aborts += 1
 
+    # --- hooks (no-ops here) ---
+
+    def before_step_begin(self, so: Any) -> None:
+        """The step's records are about to reach the cache (preemptions already counted)."""
+
+    def running(self, adm: Admission) -> None:
+        """The step's ``num_computed_tokens`` of a running request reaches the cache."""
+
+    def joined(self, adm: Admission, hit: int, resumed: bool) -> None:
+        """The admission starts (or resumes) in this step with a hit of ``hit`` tokens."""
+
+    def computed(self, adm: Admission, step: StepOfRequest, drafts: list[int]) -> None:
+        """The runner computed ``step`` for the admission (with ``drafts`` scheduled)."""
+
+    def after_forward(
+        self, joining: list[tuple[str, int, list[int]]], written: dict[int, int]
+    ) -> None:
+        """The step's joins ``(req_id, hit, blocks)`` and the slots it wrote (slot -> hash)."""
+
+    def checked(self, adm: Admission, step: StepOfRequest, start: int, end: int) -> None:
+        """The step's materialize handed out the admission's right rows ``[start, end)``."""
+
     # --- the runner ---
+
+    def accept(self, adm: Admission, first_draft: int, drafts: Sequence[int]) -> int:
+        """vLLM's rejection sampler with a greedy target: how many drafts are accepted (the
+        prefix of those equal to the model's tokens)."""
+        a = 0
+        while a < len(drafts) and drafts[a] == adm.truth.tokens[first_draft + a]:
+            a += 1
+        return a
 
     def execute(self, so: Any) -> ModelRunnerOutput:
         """The fake model runner: step begin, forward, save; returns the sampled tokens."""
@@ -355,6 +425,7 @@ class Engine:
         for rid in so.preempted_req_ids or ():
             self.counts.preemptions += 1
             self.preempted.add(rid)
+        self.before_step_begin(so)
         self.cache.step_begin(so)
         # The runner's own state, as vLLM's runners keep it.
         for rid in so.finished_req_ids:
@@ -375,9 +446,12 @@ class Engine:
                 joining.append(
                     (rid, cached.num_computed_tokens[i], list(cached.new_block_ids[i][0]))
                 )
+            else:
+                self.running(self.current[rid])
         for rid, hit, _blocks in joining:
             adm = self.current[rid]
-            if rid in self.preempted:
+            resumed = rid in self.preempted
+            if resumed:
                 self.preempted.discard(rid)
                 self.counts.resumes += 1
                 c = self.counts
@@ -391,43 +465,67 @@ class Engine:
                 adm.started = True
                 self.counts.started_with_hit += hit > 0
             adm.last_hit = hit
+            with adm.lock:
+                adm.accepted.update(range(hit))
+            self.joined(adm, hit, resumed)
+        joined = {rid for rid, _hit, _blocks in joining}
         computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        spec = so.scheduled_spec_decode_tokens or {}
 
         sched = so.num_scheduled_tokens
         order = list(sched)
         self.rng.shuffle(order)
         layout = self.cache.layout(order) if order else None
-        hidden_parts, mm_parts, sampled = [], [], {}
+        hidden_parts, mm_parts = [], []
+        sampled: dict[str, list[int]] = {}
+        this_step: dict[str, StepOfRequest] = {}
         written: dict[int, int] = {}
         chunked = False
         row = 0
         for rid in order:
             n = sched[rid]
             c = computed[rid]
+            drafts = list(spec.get(rid, ()))
+            kd = len(drafts)
             adm = self.current[rid]
             tokens = self.runner_tokens[rid]
-            assert len(tokens) >= c + n, (rid, c, n, len(tokens))
+            d = c + n - kd  # first draft position
+            assert n > 0 and kd < n, (rid, c, n, drafts)
+            assert len(tokens) >= d and (kd == 0 or len(tokens) == d), (rid, c, n, kd, tokens)
             # The runner's tokens must agree with the model's truth.
-            adm.truth.extend_to(c + n)
-            assert tokens[: c + n] == adm.truth.tokens[: c + n], rid
-            h, m = adm.truth.rows(c, c + n)
-            hidden_parts.append(h)
-            mm_parts.append(m)
+            adm.truth.extend_to(c + n + 1)
+            assert tokens[:d] == adm.truth.tokens[:d], rid
+            # The rows: true tokens below d, then the drafts (right or wrong).
+            hashes = list(adm.truth.hashes[c:d])
+            h = adm.truth.hashes[d - 1]
+            for t in drafts:
+                h = extend_hash(h, t)
+                hashes.append(h)
+            rh, rm = rows_of(hashes)
+            hidden_parts.append(rh)
+            mm_parts.append(rm)
             slots = layout.slots_cpu[row : row + n].tolist()
             for p, s in zip(range(c, c + n), slots, strict=True):
-                written[s] = adm.truth.hashes[p]
+                written[s] = hashes[p - c]
             row += n
-            adm.computed_end = max(adm.computed_end, c + n)
-            if c + n >= len(tokens):  # the last chunk of what is known: sample
-                t = next_token(adm.truth.hashes[c + n - 1])
-                tokens.append(t)
-                sampled[rid] = [t]
+            a = self.accept(adm, d, drafts)
+            step = StepOfRequest(c, d, d + a, c + n, rid in joined, slots)
+            this_step[rid] = step
+            with adm.lock:
+                adm.accepted.update(range(c, d + a))
+            adm.computed_end = max(adm.computed_end, d + a)
+            if d >= len(tokens):  # the last chunk of what is known: sample
+                out = adm.truth.tokens[d : d + a + 1]
+                tokens.extend(out)
+                sampled[rid] = out
             else:
+                assert kd == 0
                 sampled[rid] = []
-                if c + n < len(adm.truth.prompt):
+                if d < len(adm.truth.prompt):
                     chunked = True
             self.last_scheduled[rid] = self.step_index
+            self.computed(adm, step, drafts)
         self.counts.chunked_steps += chunked
         # Same-step hits: a joining request's hit blocks written by this very step.
         written_blocks = {s // self.block_size for s in written}
@@ -443,6 +541,7 @@ class Engine:
                 recycled.add(s // self.block_size)
             self.slot_hash[s] = h
         self.counts.recycled_blocks += len(recycled)
+        self.after_forward(joining, written)
 
         if order:
             hidden = torch.cat(hidden_parts)
@@ -458,8 +557,9 @@ class Engine:
                 num_tokens_unpadded=row,
                 num_tokens_padded=row + pad,
             )
+            self.steps[step_id] = this_step
             admissions = {rid: self.current[rid] for rid in order}
-            self._hand_to_builder((step_id, tuple(order), admissions))
+            self.deliver(step_id, tuple(order), admissions, sampled)
         ids = list(sampled)
         return ModelRunnerOutput(
             req_ids=ids,
@@ -469,7 +569,19 @@ class Engine:
 
     # --- the output builder, one step late ---
 
-    def _hand_to_builder(self, item: tuple[Any, ...]) -> None:
+    def deliver(
+        self,
+        step_id: int,
+        order: tuple[str, ...],
+        admissions: dict[str, Admission],
+        sampled: dict[str, list[int]],
+    ) -> None:
+        """Have the saved step materialized and checked: here by the builder thread, after the
+        next step's ``step_begin``, without sampled token ids."""
+        self.hand_to_builder((step_id, order, admissions, None))
+
+    def hand_to_builder(self, item: tuple[Any, ...]) -> None:
+        """Queue the previous item for the builder thread (one step late), keep this one."""
         if self._pending is not None:
             self._builds.put(self._pending)
         self._pending = item
@@ -481,37 +593,47 @@ class Engine:
             if item is None:
                 return
             try:
-                self._check(*item)
+                self.check_step(*item)
             except BaseException as exc:
                 self._errors.append(exc)
 
-    def _check(
-        self, step_id: int, order: tuple[str, ...], admissions: dict[str, Admission]
+    def check_step(
+        self,
+        step_id: int,
+        order: tuple[str, ...],
+        admissions: dict[str, Admission],
+        sampled: dict[str, list[int]] | None,
     ) -> None:
-        out = self.cache.materialize(step_id, order)
+        """Materialize a saved step and check every row it hands out against the recompute."""
+        out = self.cache.materialize(step_id, order, sampled_token_ids=sampled)
         hidden, mm = out
         assert hidden is not None
+        step = self.steps.pop(step_id)
         for rid in order:
             adm = admissions[rid]
+            mine = step[rid]
             start, end = out.positions[rid]
             got_h = hidden[rid]
             got_m = mm[MM_KEY][rid]
             assert got_h.shape[0] == end - start == got_m.shape[0], (adm, start, end, got_h.shape)
-            assert end <= adm.computed_end, (adm, start, end, adm.computed_end)
+            # SPEC-3: nothing at or past this step's first rejected position.
+            assert end <= mine.accepted_end, (
+                f"{adm}: step {step_id} delivered [{start}, {end}) past its accepted end "
+                f"{mine.accepted_end} (drafts from {mine.confirmed_end})"
+            )
             if end > start:
                 want_h, want_m = adm.truth.rows(start, end)
-                if not torch.equal(got_h, want_h) or not torch.equal(got_m, want_m):
-                    bad = [
-                        start + i
-                        for i in range(end - start)
-                        if not torch.equal(got_h[i], want_h[i])
-                        or not torch.equal(got_m[i], want_m[i])
-                    ]
-                    raise AssertionError(
-                        f"{adm}: wrong rows at positions {bad[:10]} (step {step_id})"
-                    )
-            for p in range(start, end):
-                adm.delivered[p] += 1
+                bad = [
+                    start + i
+                    for i in range(end - start)
+                    if not torch.equal(got_h[i], want_h[i]) or not torch.equal(got_m[i], want_m[i])
+                ]
+                assert not bad, f"{adm}: wrong rows at positions {bad[:10]} (step {step_id})"
+            with adm.lock:
+                for p in range(start, end):
+                    adm.delivered[p] += 1
+                    assert p in adm.accepted, f"{adm}: position {p} delivered, never accepted"
+            self.checked(adm, mine, start, end)
             self.counts.rows_checked += end - start
 
     def raise_builder_errors(self) -> None:
@@ -536,11 +658,24 @@ class Engine:
     # --- engine loops ---
 
     def update(self, so: Any, out: ModelRunnerOutput) -> None:
+        """The engine core processes the step's output."""
         self.scheduler.update_from_output(so, out)
         self.processed += 1
 
     def run(self, workload: Workload, *, max_steps: int = 5000) -> Counts:
         """Run the workload to the end; check the oracle; return the counts."""
+        assert self.reuses_ids or not workload.reuse_prob, "this engine does not reuse ids"
+        try:
+            self._loop(workload, max_steps)
+        except BaseException:
+            self._builds.put(None)
+            self.cache.shutdown()
+            raise
+        self.close()
+        self.check_exactly_once()
+        return self.counts
+
+    def _loop(self, workload: Workload, max_steps: int) -> None:
         rng = random.Random(workload.seed)
         prefixes = [
             [rng.randrange(1, VOCAB) for _ in range(workload.prefix_len)]
@@ -588,12 +723,10 @@ class Engine:
             if batch_queue:
                 so, out, _ = batch_queue.pop()
                 self.update(so, out)
-            for rid, adm in list(self.current.items()):
-                if adm.request.is_finished() and rid not in finished_ids:
-                    finished_ids.append(rid)
-        self.close()
-        self.check_exactly_once()
-        return self.counts
+            if self.reuses_ids:
+                for rid, adm in list(self.current.items()):
+                    if adm.request.is_finished() and rid not in finished_ids:
+                        finished_ids.append(rid)
 
     def _safe_reuse(self, finished_ids: list[str]) -> str | None:
         """A finished id whose last step's output the scheduler has processed."""
@@ -604,36 +737,61 @@ class Engine:
                 return rid
         return None
 
+    def owed(self, adm: Admission) -> set[int]:
+        """The positions the cache must deliver to the ended admission exactly once (here every
+        computed one); counts what lies past a stop token."""
+        request = adm.request
+        assert request is not None
+        if request.status == RequestStatus.FINISHED_STOPPED:
+            final = len(request.all_token_ids)
+            # At most the stop token's own position, and only with steps in flight.
+            past = max(0, adm.computed_end - (final - 1))
+            assert past <= self.depth - 1, (adm, past)
+            self.counts.rows_past_stop += past
+        return set(range(adm.computed_end))
+
     def check_exactly_once(self) -> None:
-        """Every admission received each computed position's row exactly once."""
+        """Every admission received each position it is owed (`owed`) exactly once, and only
+        positions computed from the true tokens."""
         for adm in self.admissions:
-            assert adm.request is not None
-            if adm.request.status == RequestStatus.FINISHED_STOPPED:
-                self.counts.stopped += 1
-                final = len(adm.request.all_token_ids)
-                # At most the stop token's own position, and only with steps in flight.
-                past = max(0, adm.computed_end - (final - 1))
-                assert past <= self.depth - 1, (adm, past)
-                self.counts.rows_past_stop += past
+            request = adm.request
+            assert request is not None
+            self.counts.stopped += request.status == RequestStatus.FINISHED_STOPPED
             if not adm.started:
-                assert adm.request.status == RequestStatus.FINISHED_ABORTED, adm
+                assert request.status == RequestStatus.FINISHED_ABORTED, adm
                 assert adm.computed_end == 0 and not adm.delivered, adm
                 self.counts.aborted_before_start += 1
-            if adm.request.is_finished():
+            if request.is_finished():
                 self.counts.finished += 1
                 # The scheduler's tokens agree with the model's.
-                adm.truth.extend_to(len(adm.request.all_token_ids))
-                got = list(adm.request.all_token_ids)
+                adm.truth.extend_to(len(request.all_token_ids))
+                got = list(request.all_token_ids)
                 assert got == adm.truth.tokens[: len(got)], (
                     f"{adm}: the scheduler's tokens {got} differ from the model's "
                     f"{adm.truth.tokens[: len(got)]} (prompt {len(adm.truth.prompt)})"
                 )
-            want = set(range(adm.computed_end))
-            got = set(adm.delivered)
-            missing = sorted(want - got)
-            extra = sorted(got - want)
+            owed = self.owed(adm)
+            delivered = set(adm.delivered)
+            missing = sorted(owed - delivered)
+            never = sorted(delivered - adm.accepted)
             twice = sorted(p for p, n in adm.delivered.items() if n != 1)
-            assert not missing and not extra and not twice, (
-                f"{adm}: computed [0, {adm.computed_end}), missing {missing[:10]}, "
-                f"extra {extra[:10]}, delivered more than once {twice[:10]}"
+            assert not missing and not never and not twice, (
+                f"{adm} ({request.status.name}, computed [0, {adm.computed_end})): "
+                f"missing {missing[:10]}, delivered but never computed {never[:10]}, "
+                f"delivered more than once {twice[:10]}"
             )
+
+
+def check_run(eng: Engine, counts: Counts) -> None:
+    """What every finished run must hold: the oracle ran on real rows, for every admission to
+    its end, and the records the glue fed in match what the scheduler did."""
+    assert counts.rows_checked > 0 and counts.finished == len(eng.admissions)
+    glue = eng.cache.counts()
+    assert glue["steps"] == counts.steps
+    assert glue["preempted"] == counts.preemptions
+    assert glue["resumed"] == counts.resumes
+    assert glue["resumed_with_hit"] == counts.resumes_with_hit
+    assert glue["started_with_hit"] == counts.started_with_hit
+    assert glue["started"] == len(eng.admissions) - counts.aborted_before_start
+    assert eng.cache.live_requests() == {}
+    assert eng.stats.steps_saved == eng.stats.steps_consumed > 0

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: bash .ci/setup-vllm")
 
 from omni_cache_cuda.vllm import RequestIdReuseError
-from tests.vllm.harness import Counts, Engine, Workload
+from tests.vllm.harness import Counts, Engine, Workload, check_run
 
 #: (async scheduling, v2 model runner), the tests' indirect `mode` parameter.
 MODES = [
@@ -63,18 +63,7 @@ def run(
         counts = eng.run(workload)
         TOTAL.add(counts)
         RUNS.append(request.node.name)
-        # The oracle ran on real rows, for every admission to its end.
-        assert counts.rows_checked > 0 and counts.finished == len(eng.admissions)
-        # The records the glue fed in match what the scheduler did.
-        glue = eng.cache.counts()
-        assert glue["steps"] == counts.steps
-        assert glue["preempted"] == counts.preemptions
-        assert glue["resumed"] == counts.resumes
-        assert glue["resumed_with_hit"] == counts.resumes_with_hit
-        assert glue["started_with_hit"] == counts.started_with_hit
-        assert glue["started"] == len(eng.admissions) - counts.aborted_before_start
-        assert eng.cache.live_requests() == {}
-        assert eng.stats.steps_saved == eng.stats.steps_consumed > 0
+        check_run(eng, counts)
         if not async_scheduling:
             assert counts.rows_past_stop == 0  # a synchronous engine never computes past a stop
         return counts

@@ -1,6 +1,6 @@
 """`VllmPrefixCache` with speculative decoding against vLLM's real sync `Scheduler` (SPEC-1..6).
 
-Every run goes through `spec_harness.SpecEngine`: n-gram speculative config with K drafts,
+Every run goes through `spec_harness.SpecEngine` (a `harness.Engine`): n-gram speculative config with K drafts,
 a fake runner proposing right and wrong drafts (seeded), rows computed from the drafts, a greedy
 rejection sampler, a small KV cache (preemptions), shared prefixes (hits, same-step hits),
 aborts and stop tokens. The oracle: each admission receives the recomputed row of every
@@ -12,10 +12,9 @@ the save, no sampled ids: accepted rows come by read-back, SPEC-4), ``sampled`` 
 the save with sampled_token_ids, SPEC-2) and ``late-sampled`` (after the next step_begin with
 sampled_token_ids, as the drop-in worker does). ``pytest -s`` prints each run's figures.
 
-Known gap, pinned by `test_hit_over_unconfirmed_accepted_drafts` (strict xfail): drafts accepted
-but unconfirmed when their request is preempted or ends are marked absent (SPEC-5), yet vLLM
-hashes their block, and a later hit on it raises `HitUnreadableError`; a sweep run that reaches
-it (the harness sees the hit coming) xfails, any other error fails.
+Drafts accepted but unconfirmed when their request is preempted or ends keep their rows as
+written (SPEC-5); vLLM hashes their block, and a later hit on it is served: every row such a hit
+covers reaches the admission once and is checked (`test_hit_over_unconfirmed_accepted_drafts`).
 """
 
 from __future__ import annotations
@@ -26,16 +25,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM: bash .ci/setup-vllm")
 
-from omni_cache_cuda import ConfigError, HitUnreadableError
+from omni_cache_cuda import ConfigError
 from omni_cache_cuda.vllm import VllmPrefixCache
-from tests.vllm.harness import make_kv_cache_config
-from tests.vllm.spec_harness import (
-    Mode,
-    SpecCounts,
-    SpecEngine,
-    SpecWorkload,
-    make_spec_vllm_config,
-)
+from tests.vllm.harness import Workload, check_run, make_kv_cache_config
+from tests.vllm.spec_harness import Mode, SpecCounts, SpecEngine, make_spec_vllm_config
 
 #: Each run's figures, for the module's last test.
 RESULTS: list[tuple[str, SpecCounts]] = []
@@ -53,36 +46,19 @@ WORKLOAD = dict(
 
 
 def run_spec(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    *,
-    strict: bool = False,
-    **engine: Any,
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, **engine: Any
 ) -> SpecCounts:
-    """Run the module's workload; a run that hits rows of drafts accepted but unconfirmed when
-    their request was preempted or ended (the gap `test_hit_over_unconfirmed_accepted_drafts`
-    pins) xfails unless ``strict``; any other error fails."""
+    """Run the module's workload through a `SpecEngine` and check what every run must hold
+    (`harness.check_run`, as test_scheduler.py's runs)."""
     k = engine["k"]
     seed = 10 * k + list(Mode).index(engine["mode"])
     eng = SpecEngine(monkeypatch=monkeypatch, seed=seed, **engine)
-    try:
-        counts = eng.run(SpecWorkload(seed=seed + 100, **WORKLOAD))  # type: ignore[arg-type]
-    except HitUnreadableError as exc:
-        if eng.counts.hits_over_unconfirmed and not strict:
-            RESULTS.append((request.node.name + " (xfail)", eng.counts))
-            pytest.xfail(f"known gap (SPEC-5): {eng.unconfirmed_hits[0]}; raised {exc}")
-        raise
+    eng.run(Workload(seed=seed + 100, **WORKLOAD))  # type: ignore[arg-type]
+    counts = eng.counts
     name = request.node.name
     RESULTS.append((name, counts))
     print(f"\n{name}: {counts.line()}")
-    # What every run must hold: the oracle ran on real rows, to the end of every admission.
-    assert counts.rows_checked > 0 and counts.finished == len(eng.admissions)
-    glue = eng.cache.counts()
-    assert glue["steps"] == counts.steps
-    assert glue["preempted"] == counts.preemptions
-    assert glue["resumed"] == counts.resumes
-    assert eng.cache.live_requests() == {}
-    assert eng.stats.steps_saved == eng.stats.steps_consumed > 0
+    check_run(eng, counts)
     return counts
 
 
@@ -123,13 +99,6 @@ def test_stop_token_inside_accepted_drafts(
     assert counts.stop_inside_drafts >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=HitUnreadableError,
-    reason="SPEC-5 marks the rows of drafts accepted but unconfirmed at a preemption or end "
-    "absent, yet vLLM hashes their block (the accepted drafts are tokens by then) and a later "
-    "resume or start hits it: the hit raises HitUnreadableError",
-)
 @pytest.mark.parametrize(
     ("k", "mode"),
     [(1, Mode.LATE), (3, Mode.EARLY), (4, Mode.LATE)],
@@ -138,21 +107,22 @@ def test_stop_token_inside_accepted_drafts(
 def test_hit_over_unconfirmed_accepted_drafts(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, k: int, mode: Mode
 ) -> None:
-    # The module's workload with 40 KV blocks: a request is preempted (or ends) right after a
-    # step whose accepted drafts complete a block, before any step_begin confirmed them; the
-    # block stays in vLLM's prefix cache and a resume or another request's start hits it. The rows there are right (the
-    # drafts were accepted), so the hit should be served, or at least not fail the engine.
+    # SPEC-5: the module's workload with 40 KV blocks: a request is preempted (or ends) right
+    # after a step whose accepted drafts complete a block, before any step_begin confirmed
+    # them; the block stays in vLLM's prefix cache and a resume or another request's start
+    # hits it. The cache left those rows as written and they are right (the drafts were
+    # accepted): the hit is served, and the oracle checks each of its rows, delivered once.
     counts = run_spec(
         request,
         monkeypatch,
-        strict=True,
         k=k,
         mode=mode,
         threaded=False,
         v2_runner=k % 2 == 1,
         num_blocks=40,
     )
-    assert counts.hits_over_unconfirmed >= 1  # the scenario was reached, and served
+    assert counts.hits_over_unconfirmed >= 1  # the scenario was reached ...
+    assert counts.hit_rows_over_unconfirmed >= 1  # ... and its rows served and checked
 
 
 def test_config_accepts_sync_and_refuses_async(monkeypatch: pytest.MonkeyPatch) -> None:
