@@ -35,7 +35,7 @@ vllm = require_engine()
 
 import torch  # noqa: E402
 
-from omni_cache_cuda.vllm import load_request_rows  # noqa: E402
+from omni_cache_cuda.vllm import hidden_states_engine_args, load_request_rows  # noqa: E402
 from omni_cache_cuda.vllm._export import ENDED_BY_ENGINE, ENDED_BY_SHUTDOWN  # noqa: E402
 from tests.vllm_engine import harness as h  # noqa: E402
 from tests.vllm_engine.sinks import FOLDER_ENV  # noqa: E402
@@ -73,7 +73,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     sink_dir, callback_dir = str(root / "rows"), str(root / "callback")
     os.makedirs(callback_dir)
     workload = h.Workload.shared_prefixes(requests=16, seed=1, tail=(4, 60), max_tokens=(16, 40))
-    kwargs = h.hidden_states_engine_args(
+    kwargs = hidden_states_engine_args(
         sink_dir=sink_dir,
         sink=SINK,
         **h.engine_kwargs(
