@@ -34,7 +34,13 @@ from omni_cache_core import (
 )
 from omni_cache_cuda._committer import WriteJob
 from omni_cache_cuda._effects import EffectInterpreter
-from omni_cache_cuda._outputs import DeliveredPositions, StageCacheOutputs, split_leftover, unpin
+from omni_cache_cuda._outputs import (
+    DeliveredPositions,
+    StageCacheOutputs,
+    request_rows,
+    split_leftover,
+    unpin,
+)
 from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
 
 __all__ = ["ConsumePath"]
@@ -153,13 +159,9 @@ class ConsumePath:
                     end = min(end, max(start, rows_of[req][0] + k + takes[req] - hit))
                 rows_of[req] = (start, end)
 
-        # One split per key makes every request's view at once (a decode step has hundreds).
-        sizes = [end - start for start, end in ctx.req_rows.values()]
-
         def merged(key: TensorName) -> dict[str, torch.Tensor]:
-            base = current[key]
-            pieces = dict(zip(ctx.req_rows, torch.split(base, sizes), strict=True))
-            out = {req: pieces[req] for req in wanted}
+            # The key's rows and each request's range; its views are made when read (OUT-5).
+            out = request_rows(current[key], ctx.req_rows, wanted)
             for (read_req, read_key), read in reads.items():
                 req: str = read_req
                 if read_key == key and req in out:

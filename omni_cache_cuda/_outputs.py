@@ -14,8 +14,10 @@ from omni_cache_core import HIDDEN_KEY, ModelCachePolicy, TensorName
 __all__ = [
     "Classified",
     "DeliveredPositions",
+    "RequestRows",
     "StageCacheOutputs",
     "classify",
+    "request_rows",
     "snapshot_leftover",
     "split_leftover",
 ]
@@ -93,6 +95,167 @@ class DeliveredPositions(Mapping[str, tuple[int, int]]):
 
     def __repr__(self) -> str:
         return f"DeliveredPositions({self._built()!r})"
+
+
+# Single lookups answered with their own slice before a lookup makes every view at once: one
+# split per key costs about a third of a slice per request, but a caller that reads a handful of
+# requests should not pay for hundreds.
+_SINGLE_LOOKUPS = 8
+
+
+class _FilledRows(dict):  # type: ignore[type-arg]
+    """A `RequestRows` once its views exist: a plain dict, C lookups and all."""
+
+    __slots__ = ("_kept", "_members_set", "_pending")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles are plain dicts
+        return (dict, (dict(dict.items(self)),))
+
+
+class RequestRows(_FilledRows):
+    """Request id -> its rows of one key: views of one contiguous tensor, made when read.
+
+    A dict (OUT-5: ``hidden_states`` and every cached ``mm_outputs`` entry are dicts of request id
+    to rows), in the order of the materialize's request ids. ``materialize`` hands out the
+    step's rows of a key as one tensor plus each request's row range; no per-request view is
+    made until a caller reads one. The first few single lookups (``[]``, ``get``) slice just that
+    request; any other use, or more lookups, makes every view with one ``torch.split`` and the
+    object then behaves as, and is, a plain dict subclass (pickles and copies are plain dicts).
+    Entries set before that (a hit request's merged rows) are kept as set.
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        base: torch.Tensor,
+        req_rows: Mapping[str, tuple[int, int]],
+        wanted: tuple[str, ...],
+    ) -> None:
+        # The views live nowhere yet; dict storage holds what was set or read one by one.
+        self._pending: tuple[torch.Tensor, Mapping[str, tuple[int, int]], tuple[str, ...]] | None
+        self._pending = (base, req_rows, wanted)
+        self._members_set: frozenset[str] | None = None  # the wanted ids, built when needed
+        self._kept: dict[str, torch.Tensor] | None = None  # entries set before the views exist
+
+    # -- lookups that need one view ---------------------------------------------------------
+
+    def _members(self) -> frozenset[str]:
+        members = self._members_set
+        if members is None:
+            assert self._pending is not None
+            members = frozenset(self._pending[2])  # the ids may repeat: a dict keeps one
+            self._members_set = members
+        return members
+
+    def __getitem__(self, req_id: str) -> torch.Tensor:
+        try:
+            return dict.__getitem__(self, req_id)  # type: ignore[no-any-return]
+        except KeyError:
+            pending = self._pending
+            if pending is None or req_id not in self._members():
+                raise
+        if dict.__len__(self) >= _SINGLE_LOOKUPS:
+            self._fill()
+            return dict.__getitem__(self, req_id)  # type: ignore[no-any-return]
+        start, end = pending[1][req_id]
+        view = pending[0][start:end]
+        dict.__setitem__(self, req_id, view)
+        return view
+
+    def get(self, req_id: str, default: Any = None) -> Any:
+        if self._pending is None:
+            return dict.get(self, req_id, default)
+        try:
+            return self[req_id]
+        except KeyError:
+            return default
+
+    def __contains__(self, req_id: object) -> bool:
+        if self._pending is None:
+            return dict.__contains__(self, req_id)
+        return req_id in self._members()  # an unhashable key raises, as in a dict
+
+    def __len__(self) -> int:
+        return dict.__len__(self) if self._pending is None else len(self._members())
+
+    def __setitem__(self, req_id: str, rows: torch.Tensor) -> None:
+        if self._pending is not None:
+            if isinstance(req_id, str) and req_id in self._members():
+                if self._kept is None:
+                    self._kept = {}
+                self._kept[req_id] = rows
+            else:
+                self._fill()
+        dict.__setitem__(self, req_id, rows)
+
+    # -- everything else makes every view first ----------------------------------------------
+
+    def _fill(self) -> None:
+        """Make every request's view (one split), keep what was set, and become a plain dict."""
+        pending = self._pending
+        if pending is None:
+            return
+        base, req_rows, wanted = pending
+        sizes = [end - start for start, end in req_rows.values()]
+        pieces = torch.split(base, sizes) if sizes else ()
+        # Entries set (not read) before now win; a view read one by one is made again, alike.
+        kept = self._kept
+        dict.clear(self)
+        if tuple(req_rows) == wanted:
+            dict.update(self, zip(wanted, pieces, strict=True))
+        else:
+            by_req = dict(zip(req_rows, pieces, strict=True))
+            dict.update(self, zip(wanted, map(by_req.__getitem__, wanted), strict=True))
+        if kept:
+            dict.update(self, kept)  # their ids are wanted ones: the order stays
+        self._pending = None
+        self._members_set = None
+        self._kept = None
+        self.__class__ = _FilledRows  # type: ignore[assignment]
+
+    def _filled(name: str) -> Any:  # type: ignore[misc]
+        method = getattr(dict, name)
+
+        def call(self: RequestRows, *args: Any, **kwargs: Any) -> Any:
+            self._fill()
+            return method(self, *args, **kwargs)
+
+        call.__name__ = name
+        call.__doc__ = method.__doc__
+        return call
+
+    __iter__ = _filled("__iter__")
+    __reversed__ = _filled("__reversed__")
+    __eq__ = _filled("__eq__")
+    __ne__ = _filled("__ne__")
+    __repr__ = _filled("__repr__")
+    __delitem__ = _filled("__delitem__")
+    __or__ = _filled("__or__")
+    __ror__ = _filled("__ror__")
+    __ior__ = _filled("__ior__")
+    keys = _filled("keys")
+    values = _filled("values")
+    items = _filled("items")
+    copy = _filled("copy")
+    pop = _filled("pop")
+    popitem = _filled("popitem")
+    setdefault = _filled("setdefault")
+    update = _filled("update")
+    clear = _filled("clear")
+    del _filled
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self._fill()
+        return (dict, (dict(dict.items(self)),))
+
+
+def request_rows(
+    base: torch.Tensor, req_rows: Mapping[str, tuple[int, int]], wanted: tuple[str, ...]
+) -> RequestRows:
+    """The rows of ``wanted`` out of ``base`` (every request of ``req_rows``' rows, in order),
+    as a `RequestRows` whose views are made when read (OUT-5)."""
+    return RequestRows(base, req_rows, wanted)
 
 
 class Classified(NamedTuple):
