@@ -11,7 +11,7 @@ import torch
 
 from omni_cache_core import BadInputError
 
-__all__ = ["PrefixCacheWrite", "PrefixCacheWriteLayout"]
+__all__ = ["PrefixCacheWrite", "PrefixCacheWriteLayout", "decode_layout_from_table"]
 
 # A request with at most this many scheduled tokens gets its slots from a plain loop; longer runs
 # use numpy (a decode step has hundreds of one-token requests; a prefill a few long ones).
@@ -222,6 +222,46 @@ class PrefixCacheWriteLayout:
             pieces.append(np.asarray(short, dtype=np.int64))
         flat = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return cls._from_bounds(req_ids, tuple(bounds), torch.from_numpy(flat))
+
+
+def decode_layout_from_table(
+    order: Sequence[str],
+    num_scheduled: Mapping[str, int],
+    num_computed: Mapping[str, int],
+    table_rows: Mapping[str, int],
+    table: np.ndarray,
+    table_lens: np.ndarray,
+    block_size: int,
+) -> PrefixCacheWriteLayout | None:
+    """A decode step's layout from block lists kept as one array; None if it is not that.
+
+    The same layout `PrefixCacheWriteLayout.from_block_tables` builds when every request of
+    ``order`` has exactly one scheduled token, with request ``r``'s block list held as
+    ``table[table_rows[r], :table_lens[table_rows[r]]]``: two lookups per request, the rest array
+    work. None when a request has another count, misses from a mapping, has a negative computed
+    count or a position outside its blocks, or ``order`` and ``num_scheduled`` differ in length:
+    `from_block_tables` then builds the layout or names what is wrong.
+    """
+    n = len(order)
+    if n == 0 or len(num_scheduled) != n:
+        return None
+    try:
+        counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=n)
+        if not (counts == 1).all():
+            return None
+        rows = np.fromiter(map(table_rows.__getitem__, order), dtype=np.int64, count=n)
+        computed = np.fromiter(map(num_computed.__getitem__, order), dtype=np.int64, count=n)
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+    columns = computed // block_size
+    if computed.min() < 0 or (columns >= table_lens[rows]).any():
+        return None
+    slots = table[rows, columns].astype(np.int64) * block_size
+    slots += computed % block_size
+    req_ids = order if isinstance(order, tuple) else tuple(order)
+    return PrefixCacheWriteLayout._from_bounds(
+        req_ids, tuple(range(n + 1)), torch.from_numpy(slots)
+    )
 
 
 def _raise_missing(

@@ -123,6 +123,7 @@ from omni_cache_cuda import (
     StageCacheOutputs,
     StepId,
 )
+from omni_cache_cuda._layout import decode_layout_from_table
 from omni_cache_cuda.vllm import _config_checks as checks
 from omni_cache_cuda.vllm._scheduler_output import (
     RequestIdReuseError,
@@ -519,8 +520,22 @@ class VllmPrefixCache:
     def layout(self, req_ids: Sequence[str]) -> PrefixCacheWriteLayout:
         """The write layout `save` would use for the current step (for inspection and tests)."""
         step = self._current_step("layout")
+        translation = self._translation
+        if translation.table_ok:
+            # A decode step (one token each) reads the block lists kept as one array.
+            layout = decode_layout_from_table(
+                req_ids,
+                step.scheduled,
+                step.starts,
+                translation.table_rows,
+                translation.table,
+                translation.table_lens,
+                self.block_size,
+            )
+            if layout is not None:
+                return layout
         return PrefixCacheWriteLayout.from_block_tables(
-            req_ids, step.scheduled, step.starts, self._translation.running, self.block_size
+            req_ids, step.scheduled, step.starts, translation.running, self.block_size
         )
 
     def _current_step(self, what: str) -> _OpenStep:

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from itertools import compress
 from typing import Any, ClassVar
+
+import numpy as np
 
 from omni_cache_core import BadInputError, PrefixCacheEventKind, PrefixCacheRequestEvent
 
@@ -183,6 +186,9 @@ class TranslationState:
         preempted: Requests vLLM preempted and has not resumed or ended: no blocks.
         in_flight: The scheduled counts of the previous steps the engine may still have in
             flight (the last ``max_concurrent_batches - 1``).
+        table_rows, table, table_lens: The same block lists as one int64 array, for a decode
+            step's layout without a per-request lookup of a list: request -> its row of
+            ``table``, whose first ``table_lens[row]`` entries are its block ids.
     """
 
     def __init__(self, *, kv_group: int, max_concurrent_batches: int) -> None:
@@ -194,6 +200,13 @@ class TranslationState:
         self.in_flight: collections.deque[Collection[str]] = collections.deque(
             maxlen=max_concurrent_batches - 1
         )
+        self.table_rows: dict[str, int] = {}
+        self.table = np.zeros((64, 128), dtype=np.int32)
+        self.table_lens = np.zeros(64, dtype=np.int64)
+        #: False once a block list did not fit the table (not ints, or beyond int32): the
+        #: layout then reads the lists only.
+        self.table_ok = True
+        self._free_rows: list[int] = list(range(63, -1, -1))
 
     def translate(self, scheduler_output: Any) -> StepTranslation:
         """Read a step's scheduler output into its records; change nothing.
@@ -229,19 +242,79 @@ class TranslationState:
             unconfirmed = self.unconfirmed
             unconfirmed.difference_update(step.computed, step.ended, step.preempting)
             unconfirmed.update(step.drafts)
+        rows, free = self.table_rows, self._free_rows
         for req_id in step.ended:
             running.pop(req_id, None)
             preempted.discard(req_id)
+            if (row := rows.pop(req_id, None)) is not None:
+                free.append(row)
         for req_id in step.preempting:
             running.pop(req_id, None)
             preempted.add(req_id)
+            if (row := rows.pop(req_id, None)) is not None:
+                free.append(row)
         for req_id, blocks in step.joining.items():
             preempted.discard(req_id)
             running[req_id] = blocks
         for req_id, added in step.extending:
             running[req_id].extend(added)
+        if self.table_ok:
+            try:
+                for req_id, blocks in step.joining.items():
+                    self._set_row(req_id, blocks)
+                if step.extending:
+                    self._extend_rows(step.extending)
+            except (TypeError, ValueError, OverflowError):
+                self.table_ok = False
         if self.max_concurrent_batches > 1:
             self.in_flight.append(scheduled)
+
+    def _set_row(self, req_id: str, blocks: Sequence[int]) -> None:
+        """Write a joining request's block list into its row of the table."""
+        row = self.table_rows.get(req_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow(rows=2 * len(self.table_lens))
+            row = self._free_rows.pop()
+            self.table_rows[req_id] = row
+        if len(blocks) > self.table.shape[1]:
+            self._grow(cols=len(blocks))
+        self.table[row, : len(blocks)] = blocks
+        self.table_lens[row] = len(blocks)
+
+    def _extend_rows(self, extending: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Append the step's added block ids to their rows; one-block additions at once."""
+        table, lens, rows = self.table, self.table_lens, self.table_rows
+        if all(len(added) == 1 for _, added in extending):
+            at = np.fromiter((rows[r] for r, _ in extending), dtype=np.int64, count=len(extending))
+            cols = lens[at]
+            if int(cols.max()) >= table.shape[1]:
+                self._grow(cols=int(cols.max()) + 1)
+                table = self.table
+            table[at, cols] = [added[0] for _, added in extending]
+            lens[at] = cols + 1
+            return
+        for req_id, added in extending:
+            row = rows[req_id]
+            end = int(lens[row]) + len(added)
+            if end > self.table.shape[1]:
+                self._grow(cols=end)
+            self.table[row, int(lens[row]) : end] = added
+            lens[row] = end
+
+    def _grow(self, *, rows: int = 0, cols: int = 0) -> None:
+        """Make room for ``rows`` rows and ``cols`` columns, at least doubling what grows."""
+        old_rows, old_cols = self.table.shape
+        new_rows = max(rows, 2 * old_rows) if rows > old_rows else old_rows
+        new_cols = max(cols, 2 * old_cols) if cols > old_cols else old_cols
+        table = np.zeros((new_rows, new_cols), dtype=np.int32)
+        table[:old_rows, :old_cols] = self.table
+        self.table = table
+        if new_rows > old_rows:
+            lens = np.zeros(new_rows, dtype=np.int64)
+            lens[:old_rows] = self.table_lens
+            self.table_lens = lens
+            self._free_rows.extend(range(new_rows - 1, old_rows - 1, -1))
 
     # -----------------------------------------------------------------------------------------
     # The parts of a scheduler output, in the order their records go to the cache.
@@ -298,7 +371,17 @@ class TranslationState:
                 got="requests it does not track as running",
             )
         if any(new_block_ids):
-            for req_id, added in zip(req_ids, new_block_ids, strict=True):
+            pairs: Iterable[tuple[str, Any]] = zip(req_ids, new_block_ids, strict=True)
+            if isinstance(new_block_ids, list):
+                # A decode step adds blocks to a few of hundreds of requests: pick those in C.
+                # An entry that is neither None nor truthy (an empty tuple) takes the full loop,
+                # whose group lookup refuses it.
+                picked = list(
+                    zip(compress(req_ids, new_block_ids), filter(None, new_block_ids), strict=True)
+                )
+                if len(picked) == len(new_block_ids) - new_block_ids.count(None):
+                    pairs = picked
+            for req_id, added in pairs:
                 if added is not None and req_id not in step.joining:
                     step.extending.append((req_id, self._group_blocks(req_id, added)))
         step.starts.update(zip(req_ids, cached.computed, strict=True))

@@ -1,0 +1,187 @@
+"""The glue's block lists kept as one array, and the decode layout read from it.
+
+`TranslationState` keeps every running request's block list twice: as the list the general
+layout reads and as a row of one int array, which a decode step's layout reads without a
+per-request list lookup (`decode_layout_from_table`). Both must always name the same blocks, and
+the two layouts must be the same slots (the write layout of SPEC section 3: one slot per row,
+``block_ids[p // block_size] * block_size + p % block_size``).
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from omni_cache_core import BadInputError
+from omni_cache_cuda import PrefixCacheWriteLayout
+from omni_cache_cuda._layout import decode_layout_from_table
+from omni_cache_cuda.vllm._scheduler_output import TranslationState
+
+BS = 4
+
+
+def output(
+    sched: dict[str, int],
+    new: list[tuple[str, list[int], int]],
+    cached: list[tuple[str, list[int] | None, int]],
+    finished: set[str],
+    preempted: set[str],
+    resumed: set[str],
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        num_scheduled_tokens=dict(sched),
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            new_block_ids=[None if c[1] is None else (c[1],) for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+            resumed_req_ids=set(resumed),
+        ),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
+        scheduled_spec_decode_tokens={},
+        kv_cache_block_copies=None,
+    )
+
+
+def assert_table_matches(state: TranslationState) -> None:
+    assert state.table_ok
+    assert state.table_rows.keys() == state.running.keys()
+    assert len(set(state.table_rows.values())) == len(state.table_rows)  # a row each
+    for req_id, blocks in state.running.items():
+        row = state.table_rows[req_id]
+        assert int(state.table_lens[row]) == len(blocks), req_id
+        assert state.table[row, : len(blocks)].tolist() == blocks, req_id
+
+
+def layouts(
+    state: TranslationState, order: list[str], sched: dict[str, int], starts: dict[str, int]
+) -> tuple[PrefixCacheWriteLayout | None, PrefixCacheWriteLayout]:
+    fast = decode_layout_from_table(
+        order, sched, starts, state.table_rows, state.table, state.table_lens, BS
+    )
+    return fast, PrefixCacheWriteLayout.from_block_tables(order, sched, starts, state.running, BS)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_table_follows_the_lists_and_gives_the_same_decode_layout(seed: int) -> None:
+    """Random admissions (some with more blocks than the table's first width), decode steps
+    adding blocks, finishes, preemptions and resumes under both runners' conventions: after
+    every step the table holds each running request's list, and every decode step's layout
+    from it is the general layout, slot for slot (SPEC section 3)."""
+    rng = random.Random(seed)
+    state = TranslationState(kv_group=0, max_concurrent_batches=1)
+    next_block = iter(range(10**6))
+    live: dict[str, list[Any]] = {}  # request -> [computed, blocks]
+    paused: dict[str, int] = {}  # preempted request -> computed
+    counter = 0
+    decode_checked = 0
+    for _ in range(60):
+        finished = set(rng.sample(sorted(live), k=min(len(live), rng.randrange(3))))
+        left = sorted(set(live) - finished)
+        preempted = set(rng.sample(left, k=min(len(left), rng.randrange(2))))
+        sched: dict[str, int] = {}
+        new: list[tuple[str, list[int], int]] = []
+        cached: list[tuple[str, list[int] | None, int]] = []
+        resumed: set[str] = set()
+        joining = rng.random() < 0.3
+        if joining:
+            for _ in range(rng.randrange(1, 40)):
+                counter += 1
+                rid, tokens = f"r{counter}", rng.choice([3, 9, 700])  # 700: > 128 blocks
+                blocks = [next(next_block) for _ in range(tokens // BS + 1)]
+                new.append((rid, blocks, 0))
+                sched[rid] = tokens
+            for rid in rng.sample(sorted(paused), k=min(len(paused), 2)):
+                blocks = [next(next_block) for _ in range(paused[rid] // BS + 2)]
+                if rng.random() < 0.5:
+                    new.append((rid, blocks, paused[rid]))  # the v2 runner's resume
+                else:
+                    cached.append((rid, blocks, paused[rid]))  # the v1 runner's
+                    resumed.add(rid)
+                sched[rid] = 1
+        for rid, (computed, blocks) in live.items():
+            if rid in finished or rid in preempted:
+                continue
+            added = None
+            if computed // BS >= len(blocks):
+                added = [next(next_block)]
+            cached.append((rid, added, computed))
+            sched[rid] = 1
+        so = output(sched, new, cached, finished, preempted, resumed)
+        step = state.translate(so)
+        state.commit(step, sched)
+        for rid in finished:
+            live.pop(rid)
+        for rid in preempted:
+            paused[rid] = live.pop(rid)[0]
+        for rid, blocks, computed in new + [c for c in cached if c[0] in resumed]:
+            paused.pop(rid, None)
+            live[rid] = [computed, list(blocks)]
+        for rid, added, _ in cached:
+            if rid not in resumed and added:
+                live[rid][1].extend(added)
+        assert_table_matches(state)
+        order = list(sched)
+        rng.shuffle(order)
+        fast, general = layouts(state, order, sched, step.starts)
+        if sched and all(v == 1 for v in sched.values()):
+            assert fast is not None
+            decode_checked += 1
+            assert fast.req_ids == general.req_ids and fast.bounds == general.bounds
+            assert torch.equal(fast.slots_cpu, general.slots_cpu)
+            assert fast.slots_cpu.dtype == torch.int64
+        else:
+            assert fast is None  # not a decode step: the general layout is used
+        for rid in sched:
+            live[rid][0] += sched[rid]
+    assert decode_checked >= 10
+
+
+def test_a_decode_position_outside_its_blocks_falls_back_to_the_named_error() -> None:
+    """No fast layout for a position past a request's blocks; the general one names it."""
+    state = TranslationState(kv_group=0, max_concurrent_batches=1)
+    so = output({"a": 4}, [("a", [5], 0)], [], set(), set(), set())
+    state.commit(state.translate(so), {"a": 4})
+    sched, starts = {"a": 1}, {"a": 4}  # position 4 is in block 1, which "a" lacks
+    fast, _ = (
+        decode_layout_from_table(
+            ["a"], sched, starts, state.table_rows, state.table, state.table_lens, BS
+        ),
+        None,
+    )
+    assert fast is None
+    with pytest.raises(BadInputError):
+        PrefixCacheWriteLayout.from_block_tables(["a"], sched, starts, state.running, BS)
+    assert (
+        decode_layout_from_table(
+            ["b"], {"b": 1}, {"b": 0}, state.table_rows, state.table, state.table_lens, BS
+        )
+        is None
+    )  # a request without a row
+    assert (
+        decode_layout_from_table(
+            ["a"], {"a": 1}, {"a": -1}, state.table_rows, state.table, state.table_lens, BS
+        )
+        is None
+    )  # a negative computed count
+
+
+def test_block_ids_the_table_cannot_hold_leave_the_lists_in_charge() -> None:
+    """A block id beyond int32 turns the table off; the lists still give the layout."""
+    state = TranslationState(kv_group=0, max_concurrent_batches=1)
+    big = 2**40
+    so = output({"a": 2}, [("a", [big], 0)], [], set(), set(), set())
+    state.commit(state.translate(so), {"a": 2})
+    assert not state.table_ok
+    assert state.running["a"] == [big]
+    layout = PrefixCacheWriteLayout.from_block_tables(["a"], {"a": 1}, {"a": 2}, state.running, BS)
+    assert layout.slots_cpu.tolist() == [big * BS + 2]
+    assert np.int64(layout.slots_cpu[0]) == big * BS + 2
