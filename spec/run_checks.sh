@@ -9,7 +9,7 @@
 # directory. pan exits 0 even when it finds an error, so its output is
 # parsed: a good run needs "errors: 0", a complete search and no trail; a
 # known-bad variant needs "errors: N" with N > 0 or a trail. Prints one line
-# per check (states explored, seconds) and exits non-zero if anything is off.
+# per check (states explored, search depth, seconds) and exits non-zero if anything is off.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -90,7 +90,7 @@ CHECKS=(
 # Runs one check in its own directory and writes one result line.
 run_one() {
   local name="$1" kind="$2" defs="$3" claim="$4"
-  local dir="$work/$name" t0 t1 out verdict="FAIL" why="" states cpu
+  local dir="$work/$name" t0 t1 out verdict="FAIL" why="" states depth cpu
   mkdir -p "$dir"
   cp "$model" "$dir/"
   t0=$(date +%s.%N)
@@ -158,11 +158,12 @@ run_one() {
     esac
   fi
   states="$(sed -n 's/^ *\([0-9.e+]*\) states, stored.*/\1/p' "$out" 2>/dev/null | head -1)"
+  depth="$(sed -n 's/.*depth reached \([0-9]*\).*/\1/p' "$out" 2>/dev/null | head -1)"
   # cpu_s: user + system time of the search; wall_s: the whole check, with
   # spin -a and the compile.
   cpu="$(awk '{ printf "%.1f", $1 + $2 }' "$dir/cpu.txt" 2>/dev/null || true)"
-  printf '%-4s %-24s states=%-9s cpu_s=%-6s wall_s=%-6s %s\n' \
-    "$verdict" "$name" "${states:-?}" "${cpu:-?}" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" "$why" \
+  printf '%-4s %-24s states=%-9s depth=%-5s cpu_s=%-6s wall_s=%-6s %s\n' \
+    "$verdict" "$name" "${states:-?}" "${depth:-?}" "${cpu:-?}" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" "$why" \
     >"$work/$name.result"
 }
 

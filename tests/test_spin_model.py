@@ -145,14 +145,16 @@ def test_random_simulations_print_only_documented_actions() -> None:
 @needs_spin_and_gcc
 def test_speculative_runs_print_only_documented_actions() -> None:
     """With -DSPEC_DRAFTS (SPEC-1..SPEC-5) every line is in the vocabulary: random simulations,
-    and a whole run through probe 35 (a catch-up read of accepted drafts, found by pan)."""
+    without preemption and with it (a draft left unconfirmed by a preemption, SPEC-5), and a
+    whole run through probe 35 (a catch-up read of accepted drafts, found by pan)."""
     vocabulary = documented_vocabulary()
     defines = ["-DSPEC_DRAFTS", "-DPREEMPTS=0", "-DSTARTS=2", "-DMAXSTEP=4"]
     lines = []
     for seed in range(1, 21):
-        run = simulate(seed, *defines)
-        assert run[-1].endswith("processes created"), f"seed {seed}: ended with {run[-1]!r}"
-        lines += run
+        for flags in (defines, ["-DSPEC_DRAFTS", "-DSTARTS=2"]):
+            run = simulate(seed, *flags)
+            assert run[-1].endswith("processes created"), f"seed {seed}: ended with {run[-1]!r}"
+            lines += run
     with tempfile.TemporaryDirectory() as scratch:
         shutil.copy(MODEL, scratch)
         probe = [*defines, "-DPROBE=35"]
@@ -215,5 +217,7 @@ def test_run_checks_passes() -> None:
     assert {
         "safety", "safety_resume", "live_pages_released", "live_writes_end",
         "live_resume_pages_released", "live_resume_writes_end", "reach", "reach_resume",
+        "safety_spec", "safety_spec_resume", "reach_spec", "reach_spec_resume",
+        "bug_spec_end_marks_accepted_absent",
     } <= names, report  # fmt: skip
     assert sum(name.startswith("bug_") for name in names) >= 10, report
