@@ -106,6 +106,7 @@ class WriteJob:
         "lock",
         "n",
         "page",
+        "rows",
         "slots",
         "stage",
         "tid",
@@ -125,6 +126,9 @@ class WriteJob:
         self.tid = tid
         self.keys = keys
         self.page = page  # a step write's page; None for a deferred write
+        #: A step write's rows when they go to the pool straight from the caller's tensors
+        #: (the CPU's one copy, D27): ``(n, width)`` views per key, else None (the page).
+        self.rows: dict[TensorName, torch.Tensor] | None = None
         self.slots = slots  # a step write's slots (one per row)
         self.n = 0 if slots is None else len(slots)
         self.d2h_event = d2h_event
@@ -222,6 +226,16 @@ class Committer:
         with self._cv:
             self._queue.append(job)
             self._cv.notify()
+
+    def run_now(self, job: WriteJob) -> None:
+        """Run a step write in the caller's thread now, in either mode (D27); never raises.
+
+        For a CPU step written straight from the caller's tensors: its keys' pool rows have no
+        other writer then (CONC-4), since the save barrier (TASK-3) saw every earlier step
+        write land, and a committer thread may only be writing deferred keys, other tensors.
+        """
+        if self._claim(job):
+            self.run(job)
 
     def escalate(self, jobs: Iterable[WriteJob]) -> None:
         """Move jobs to the front, the first listed first (TASK-4); running ones stay (TASK-2).
@@ -424,7 +438,9 @@ class Committer:
             else:
                 assert job.slots is not None and job.page is not None
                 slots = job.slots
-                rows = self.pages.rows(key, job.page, job.n)
+                rows = (
+                    job.rows[key] if job.rows is not None else self.pages.rows(key, job.page, job.n)
+                )
             index = slots.numpy()
             source = row_bytes(rows)
             target = row_bytes(self.pool.tensors[key])

@@ -132,6 +132,8 @@ class ConsumePath:
         # right after this call), shaped back to the key's row shape.
         current: dict[TensorName, torch.Tensor] = {}
         for key in ctx.immediate_keys:
+            if key in ctx.own:
+                continue  # D27: no page copy; each returned row is read out of the pool once
             current[key] = (
                 self._pages.rows(key, ctx.page, n).clone().reshape(n, *ctx.shapes[key].features)
             )
@@ -159,7 +161,20 @@ class ConsumePath:
                     end = min(end, max(start, rows_of[req][0] + k + takes[req] - hit))
                 rows_of[req] = (start, end)
 
+        hit_keys = {key for _, key in reads}
+
         def merged(key: TensorName) -> dict[str, torch.Tensor]:
+            if key in ctx.own:
+                if key in hit_keys or len(wanted) != len(ctx.req_rows):
+                    return self._merged_from_pool(
+                        key, ctx, (reads, records, current), wanted, skips, takes
+                    )
+                # D27: every request, none with a hit: the step's rows in one gather, in layout
+                # order, then handed out as a page's rows are.
+                shape = ctx.shapes[key]
+                rows = torch.empty((ctx.n, shape.width), dtype=shape.dtype)
+                self._own_rows(ctx, key, np.arange(ctx.n, dtype=np.int64), rows)
+                current[key] = rows.view(ctx.n, *shape.features)
             # The key's rows and each request's range; its views are made when read (OUT-5).
             out = request_rows(current[key], ctx.req_rows, wanted)
             for (read_req, read_key), read in reads.items():
@@ -186,7 +201,7 @@ class ConsumePath:
             if key == HIDDEN_KEY:
                 hidden_states = (
                     merged(key)
-                    if key in current
+                    if key in current or key in ctx.own
                     else {
                         req: self._hit_only(
                             reads.get((cast(ReqId, req), key)), records, ctx, current, key
@@ -194,7 +209,7 @@ class ConsumePath:
                         for req in rows_of
                     }
                 )
-            elif key in current:
+            elif key in current or key in ctx.own:
                 mm_outputs[key] = merged(key)
         cached = set(plan.keys)
         for name, value in leftover.items():
@@ -203,6 +218,82 @@ class ConsumePath:
         return StageCacheOutputs(
             hidden_states, mm_outputs, DeliveredPositions(wanted, plan.starts, plan.ends)
         )
+
+    def _merged_from_pool(
+        self,
+        key: TensorName,
+        ctx: StepContext,
+        sources: tuple[
+            Mapping[tuple[ReqId, TensorName], ReadPlan],
+            Mapping[int, ReadRecord],
+            Mapping[TensorName, torch.Tensor],
+        ],
+        wanted: tuple[str, ...],
+        skips: Mapping[str, int],
+        takes: Mapping[str, int],
+    ) -> dict[str, torch.Tensor]:
+        """Each wanted request's rows of a key the step wrote straight to the pool (D27).
+
+        Every returned row is copied once: the rows of the requests without a hit in one
+        gather from the pool, each hit request's prefix and own rows straight into its buffer.
+        ``sources`` are the hit reads by (request, key), their records and the step's other
+        rows; ``skips`` and ``takes`` cut rows off each request's front and back (DLV-2, SPEC-1).
+        """
+        reads, records, current = sources
+        shape = ctx.shapes[key]
+        hit_reads = {req: read for (req, k), read in reads.items() if k == key}
+        plain = [req for req in wanted if req not in hit_reads]
+        out: dict[str, torch.Tensor] = {}
+        if plain:
+            spans = np.array([ctx.req_rows[req] for req in plain], dtype=np.int64).reshape(-1, 2)
+            lengths = spans[:, 1] - spans[:, 0]
+            total = int(lengths.sum())
+            if spans[0, 0] == 0 and (spans[1:, 0] == spans[:-1, 1]).all():
+                positions = np.arange(total, dtype=np.int64)  # one run from the first row
+            else:
+                offsets = np.cumsum(lengths) - lengths
+                positions = np.arange(total, dtype=np.int64) + np.repeat(
+                    spans[:, 0] - offsets, lengths
+                )
+            base = torch.empty((total, shape.width), dtype=shape.dtype)
+            self._own_rows(ctx, key, positions, base)
+            pieces = torch.split(base.view(total, *shape.features), lengths.tolist())
+            out.update(zip(plain, pieces, strict=True))
+        for req in wanted:
+            read = hit_reads.get(cast(ReqId, req))
+            if read is None:
+                continue
+            start, end = ctx.req_rows[req]
+            hit = len(read.slots)
+            full = torch.empty((hit + end - start, *shape.features), dtype=shape.dtype)
+            flat = full.view(len(full), -1)
+            self.gather(flat[:hit], read, records.get(read.read_id), ctx, current)
+            self._own_rows(ctx, key, np.arange(start, end, dtype=np.int64), flat[hit:])
+            out[req] = full
+        for req, k in skips.items():
+            out[req] = out[req][k:]
+        for req, take in takes.items():
+            out[req] = out[req][:take]
+        return {req: out[req] for req in wanted}
+
+    def _own_rows(
+        self, ctx: StepContext, key: TensorName, positions: np.ndarray, out: torch.Tensor
+    ) -> None:
+        """Fill ``out`` with the step's rows at ``positions``, read from the pool (D27, STEP-3).
+
+        Rows a later write took were copied into the step's record before that write (and
+        rows that never reached their slot at the save); they win, the earliest copy first.
+        As for a hit (HIT-6), they are laid over the gathered rows under the record's lock.
+        """
+        pool = self._pool.tensors[key]
+        torch.index_select(pool, 0, torch.from_numpy(ctx.slots[positions]), out=out)
+        record = ctx.own[key]
+        with record.lock:
+            for kept, rows in reversed(record.preserved):
+                at = np.minimum(np.searchsorted(kept, positions), len(kept) - 1)
+                match = np.flatnonzero(kept[at] == positions)
+                if len(match):
+                    out[torch.from_numpy(match)] = rows[torch.from_numpy(at[match])]
 
     def _hit_only(
         self,
@@ -296,7 +387,11 @@ class ConsumePath:
                         ctx.task_jobs[Tid(tid)], key, read.slots[mine], limits[Tid(tid)]
                     )
             own = np.flatnonzero(source == SlotSource.THIS_STEP.value)
-            if len(own):
+            if len(own) and key in ctx.own:
+                mine = torch.empty((len(own), out.shape[1]), dtype=out.dtype)
+                self._own_rows(ctx, key, read.step_row[own].astype(np.int64), mine)
+                out[torch.from_numpy(own)] = mine
+            elif len(own):
                 rows = current[key].reshape(len(current[key]), -1)
                 index = torch.from_numpy(read.step_row[own].astype(np.int64))
                 out[torch.from_numpy(own)] = rows[index]

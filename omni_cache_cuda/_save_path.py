@@ -6,6 +6,12 @@ claimed, the page copy, then `SaveCommit`; any failure after the begin aborts it
 `EffectInterpreter`; this module owns what is particular to a save: classifying the step's
 outputs, the copies into the page with their device clones and events (DEV-1, PAGE-6), and the
 leftover snapshot the consume reads (STEP-3, OUT-4).
+
+On the CPU the page is not copied into (D27): the save takes views of the caller's rows inside
+the transaction, and once the step is committed and the rows older reads planned on are
+preserved (HIT-6), the step's write runs at once on the engine thread, from the caller's
+tensors straight into the pool. The consume then reads the step's rows out of the pool. In
+threaded mode a step under `DIRECT_WRITE_MIN_BYTES` keeps the page and the committer thread.
 """
 
 from __future__ import annotations
@@ -35,10 +41,17 @@ from omni_cache_cuda._effects import EffectInterpreter
 from omni_cache_cuda._host_memory import HostMemory
 from omni_cache_cuda._layout import PrefixCacheWriteLayout
 from omni_cache_cuda._outputs import Classified, classify, snapshot_leftover
-from omni_cache_cuda._state import AdapterState, StepContext
+from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
 from omni_cache_cuda._storage import KeyShape
 
-__all__ = ["SavePath"]
+__all__ = ["DIRECT_WRITE_MIN_BYTES", "SavePath", "writes_direct"]
+
+#: In threaded mode on the CPU, the smallest step (bytes of immediate rows) whose write runs on
+#: the engine thread straight from the caller's tensors (D27). Below it the engine thread copies
+#: the rows into the page and the committer thread writes the pool: for a small step the job's
+#: fixed cost (its reports and wake-ups) outweighs the two copies saved. Inline mode always
+#: writes straight.
+DIRECT_WRITE_MIN_BYTES = 2 << 20
 
 
 class SavePath:
@@ -141,11 +154,70 @@ class SavePath:
         for record, effect in preserves:
             self._effects.preserve_rows(record, effect)
         if step_job is not None:
-            state.committer.submit(step_job)
-            if not state.threaded:
-                with state.lock:
-                    state.drain()
+            # D27: and the rows of unconsumed steps read from the pool (STEP-3).
+            self._preserve_open_steps(ctx, slots, step_job.keys)
+            if step_job.rows is not None:
+                self._write_now(ctx, step_job, slots)
+            else:
+                state.committer.submit(step_job)
+                if not state.threaded:
+                    with state.lock:
+                        state.drain()
         return step_id
+
+    def _preserve_open_steps(
+        self, ctx: StepContext, slots: npt.NDArray[np.int64], keys: tuple[TensorName, ...]
+    ) -> None:
+        """Copy unconsumed steps' pool-resident rows at ``slots`` aside before a write (D27).
+
+        Runs outside the state lock, before the new write is dispatched; a record its consume
+        closed already is skipped (its gathers are over), as `EffectInterpreter.preserve_rows`.
+        """
+        state = self._state
+        with state.lock:
+            others = [other for other in state.open_pooled_steps() if other is not ctx]
+        for other in others:
+            hit: npt.NDArray[np.intp] | None = None
+            for key in keys:
+                record = other.own.get(key)
+                if record is None:
+                    continue
+                with record.lock:
+                    if record.closed:
+                        break
+                    if hit is None:
+                        hit = np.flatnonzero(np.isin(other.slots, slots, kind="table"))
+                    if not len(hit):
+                        break
+                    rows = self._pool.tensors[key].index_select(
+                        0, torch.from_numpy(other.slots[hit])
+                    )
+                    record.preserved.append((hit, rows))
+
+    def _write_now(self, ctx: StepContext, job: WriteJob, slots: npt.NDArray[np.int64]) -> None:
+        """Run a step's write on this thread from the caller's rows: its one copy (D27).
+
+        The write reports its stages as the committer's do (TASK-6); a failure is sticky
+        (FAIL-1) and raises here. The rows that do not end in the pool at their own slot are
+        copied into the step's records before the caller may reuse its tensors.
+        """
+        state = self._state
+        state.committer.run_now(job)
+        rows = job.rows
+        job.rows = None  # the caller's tensors are the caller's again once this returns
+        assert rows is not None
+        shadowed = _shadowed_rows(slots)
+        for key, record in ctx.own.items():
+            lost = job.lost(key)
+            keep = shadowed
+            if lost is not None:
+                keep = np.union1d(keep, np.flatnonzero(np.isin(slots, lost.numpy())))
+            if len(keep):
+                index = torch.from_numpy(keep)
+                with record.lock:
+                    record.preserved.append((keep, rows[key].index_select(0, index)))
+        with state.lock:
+            state.drain()
 
     def _check_save_args(
         self,
@@ -210,9 +282,14 @@ class SavePath:
             or _has_cuda_tensor(parts.leftover)
         )
         hold: list[torch.Tensor] = []
+        direct: dict[TensorName, torch.Tensor] | None = None
+        if not state.cuda and parts.immediate:
+            nbytes = sum(t.numel() * t.element_size() for t in parts.immediate.values())
+            if writes_direct(state.threaded, nbytes):
+                direct = {}
         with state.ranges("omni_cache.step_copy"):
             try:
-                ctx.deferred_rows = self._copy_step(parts, n, page, ctx, on_device, hold)
+                ctx.deferred_rows = self._copy_step(parts, n, page, ctx, on_device, hold, direct)
             except Exception as exc:
                 # D19: part of the save's transaction, which aborts and leaves no trace. A copy
                 # already launched must be over before the page goes back.
@@ -234,6 +311,11 @@ class SavePath:
                 freeze_event=ctx.freeze_event,
             )
             step_job.hold = hold
+            if direct is not None:
+                # D27: the write takes the caller's rows; the consume reads the pool.
+                step_job.rows = direct
+                ctx.slots = slot_ids.numpy()
+                ctx.own = {key: ReadRecord() for key in parts.immediate}
         return ctx, step_job
 
     def _copy_step(
@@ -244,8 +326,13 @@ class SavePath:
         ctx: StepContext,
         on_device: bool,
         hold: list[torch.Tensor],
+        direct: dict[TensorName, torch.Tensor] | None = None,
     ) -> dict[TensorName, torch.Tensor]:
-        """Copy the immediate rows into the page; return the deferred clones (DEV-1)."""
+        """Copy the immediate rows into the page; return the deferred clones (DEV-1).
+
+        With ``direct`` (a CPU step written straight to the pool, D27) the immediate rows are
+        not copied: ``direct`` gets a ``(n, width)`` view of each key's rows instead.
+        """
         state = self._state
         if on_device:
             # DEV-1: clones on the compute stream, then the freeze event.
@@ -269,7 +356,10 @@ class SavePath:
             hold.extend(immediate.values())
         else:
             for key, rows in parts.immediate.items():
-                self._copy_into_page(key, rows, page, n, non_blocking=False)
+                if direct is not None:
+                    direct[key] = self._take_rows(key, rows, n)
+                else:
+                    self._copy_into_page(key, rows, page, n, non_blocking=False)
             deferred = {k: v.detach().clone() for k, v in parts.deferred.items()}
             # A deferred key's leftover is the same rows as its clone: one copy serves both.
             # (The leftover is keyed by the names the model emits; cached keys are those names.)
@@ -289,6 +379,49 @@ class SavePath:
             self._pages.rows(key, page, n).copy_(rows.reshape(n, -1), non_blocking=non_blocking)
         except Exception as exc:
             raise StagingCopyError(key=key, reason=f"{type(exc).__name__}: {exc}") from exc
+
+    def _take_rows(self, key: TensorName, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """One key's rows of the step as ``(n, width)`` for the pool write (D27).
+
+        The CPU's stand-in for the page copy, in the save's transaction: the ``page_copy`` fault
+        point fires here, and a failure raises `StagingCopyError` (STEP-5). Copies only rows
+        whose elements are not contiguous along a row (the pool write takes byte views).
+        """
+        try:
+            self._state.faults.fire("page_copy", key)
+            flat = rows.detach().reshape(n, -1)
+            if n and flat.stride(-1) != 1:
+                flat = flat.contiguous()
+            return flat
+        except Exception as exc:
+            raise StagingCopyError(key=key, reason=f"{type(exc).__name__}: {exc}") from exc
+
+
+def writes_direct(threaded: bool, nbytes: int) -> bool:
+    """Whether a CPU step of ``nbytes`` immediate bytes is written straight to the pool (D27)."""
+    return not threaded or nbytes >= DIRECT_WRITE_MIN_BYTES
+
+
+def _shadowed_rows(slots: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
+    """Rows whose slot appears again later in the step: the pool keeps the later row (D27).
+
+    Slots come in runs of consecutive values (blocks); runs that do not overlap hold no slot
+    twice, which is checked without sorting every slot.
+    """
+    n = len(slots)
+    if n < 2:
+        return np.zeros(0, dtype=np.intp)
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    if len(breaks) < n // 4:
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [n])))
+        low = slots[starts]
+        order = np.argsort(low, kind="stable")
+        if (low[order][1:] >= (low + lengths)[order][:-1]).all():
+            return np.zeros(0, dtype=np.intp)
+    order = np.argsort(slots, kind="stable")
+    ordered = slots[order]
+    return np.sort(order[:-1][ordered[1:] == ordered[:-1]])
 
 
 def _has_cuda_tensor(value: Any) -> bool:

@@ -60,7 +60,14 @@ class ReadRecord:
 
 
 class StepContext:
-    """Everything a consume of one step reads, captured at save (STEP-3)."""
+    """Everything a consume of one step reads, captured at save (STEP-3).
+
+    On the CPU a step's immediate rows have no page copy (D27): ``own`` holds a record per
+    immediate key whose rows live in the pool at ``slots``; a later write over those slots first
+    copies the rows still to be read into that record (copy-on-write, as HIT-6 does for hits),
+    and the rows that never reached the pool at their slot (a slot repeated later in the step,
+    a slot lost before the write) are kept there from the save on.
+    """
 
     __slots__ = (
         "d2h_event",
@@ -70,10 +77,12 @@ class StepContext:
         "leftover",
         "leftover_event",
         "n",
+        "own",
         "page",
         "read_ids",
         "req_rows",
         "shapes",
+        "slots",
         "task_jobs",
     )
 
@@ -90,6 +99,10 @@ class StepContext:
         self.shapes: dict[TensorName, KeyShape] = {}
         self.read_ids: tuple[int, ...] = ()
         self.task_jobs: dict[Tid, WriteJob] = {}
+        # D27: the step's slots (one per row) and a record per immediate key whose rows are
+        # read from the pool; empty where the rows are in the page.
+        self.slots: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.own: dict[TensorName, ReadRecord] = {}
 
 
 class AdapterState:
@@ -219,4 +232,11 @@ class AdapterState:
         if ctx is None:  # shutdown dropped every step context
             return StepContext()
         self.close_records(ctx.read_ids)
+        for record in ctx.own.values():
+            with record.lock:
+                record.closed = True  # D27: later writes no longer preserve its rows
         return ctx
+
+    def open_pooled_steps(self) -> list[StepContext]:
+        """The unconsumed steps whose rows are read from the pool (D27; under the state lock)."""
+        return [ctx for ctx in self.steps.values() if ctx.own]

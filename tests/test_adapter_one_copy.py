@@ -1,0 +1,283 @@
+"""The CPU's one copy (DESIGN D27): a step's rows go from the caller's tensors straight into the
+pool, and a consume reads them out of the pool once; the staging page is not copied into.
+
+Each test names the rule the page upheld and the one-copy path keeps: the caller may reuse its
+tensors as soon as `save_outputs` returns (STEP-3), a delayed reader of a slot's previous tenant
+still gets the previous rows (STEP-3, HIT-6), a failed write is sticky (FAIL-1), and threaded
+mode keeps the pool write of a small step off the engine thread. Steps of `BIG` rows carry 2.4
+MB of hidden states, over `DIRECT_WRITE_MIN_BYTES`, so threaded mode writes them straight too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from omni_cache_cuda import (
+    HIDDEN_KEY,
+    OmniPrefixCacheManager,
+    PrefixCacheConfig,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    PrefixCacheWriteLayout,
+    StagingCopyError,
+    WriteFailedError,
+)
+from omni_cache_cuda._save_path import DIRECT_WRITE_MIN_BYTES
+from tests.adapter_helpers import settle
+
+BLOCK = 16
+WIDTH = 1024  # float32: 4 KiB a row
+MM = "talker.h"
+BIG = 640  # rows: 2.5 MiB of hidden states
+STARTED = PrefixCacheEventKind.STARTED
+FINISHED = PrefixCacheEventKind.FINISHED
+
+pytestmark = pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+
+
+@pytest.fixture
+def manager(threaded: bool) -> Iterator[OmniPrefixCacheManager]:
+    config = PrefixCacheConfig(
+        num_blocks=256, block_size=BLOCK, staging_depth=4, staging_capacity_tokens=2048
+    )
+    with OmniPrefixCacheManager(config, device="cpu", threaded=threaded) as m:
+        yield m
+
+
+def _blocks(first: int, tokens: int) -> list[int]:
+    return list(range(first, first + -(-tokens // BLOCK)))
+
+
+def _rows(n: int, seed: float) -> tuple[torch.Tensor, torch.Tensor]:
+    base = torch.arange(n, dtype=torch.float32)[:, None] + seed
+    return base + torch.arange(WIDTH) * 1e-3, base + torch.arange(8) * 1e-2
+
+
+def _save(
+    m: OmniPrefixCacheManager,
+    events: Sequence[PrefixCacheRequestEvent],
+    tokens: Mapping[str, int],
+    computed: Mapping[str, int],
+    blocks: Mapping[str, list[int]],
+    rows: tuple[torch.Tensor, torch.Tensor],
+) -> int:
+    m.new_step_starts(PrefixCacheStep(events=list(events), scheduled_tokens=dict(tokens)))
+    reqs = list(tokens)
+    layout = PrefixCacheWriteLayout.from_block_tables(reqs, tokens, computed, blocks, BLOCK)
+    n = sum(tokens.values())
+    # Called on this thread: the tests check which thread writes the pool.
+    return m.save_outputs(rows[0], {MM: rows[1]}, num_tokens_unpadded=n, write_layout=layout)
+
+
+def _start(req: str, blocks: list[int], tokens: int, hit: int = 0) -> PrefixCacheRequestEvent:
+    return PrefixCacheRequestEvent(
+        req_id=req, kind=STARTED, block_ids=blocks, scheduled_tokens=tokens, hit_end=hit
+    )
+
+
+def _pages_untouched(m: OmniPrefixCacheManager) -> bool:
+    return all(not buffer.any() for buffer in m._state.pages.buffers.values())
+
+
+def test_big_steps_are_large_enough_for_the_direct_write_in_threaded_mode(threaded: bool) -> None:
+    """The sizes of this module put a `BIG` step over the threaded threshold (D27)."""
+    assert BIG * WIDTH * 4 >= DIRECT_WRITE_MIN_BYTES
+
+
+def test_caller_may_reuse_its_tensors_right_after_save(manager: OmniPrefixCacheManager) -> None:
+    """STEP-3: the caller overwrites its tensors once save_outputs returns; the step and a later
+    hit on its blocks return the saved rows. The rows went to the pool in one copy, on the
+    engine thread, and no page was copied into (D27)."""
+    writers: list[str] = []
+    manager._inject_fault("pool_write", lambda job: writers.append(threading.current_thread().name))
+    blocks = {"a": _blocks(0, BIG)}
+    hidden, mm = _rows(BIG, 0.5)
+    kept = (hidden.clone(), mm.clone())
+    step = _save(
+        manager, [_start("a", blocks["a"], BIG)], {"a": BIG}, {"a": 0}, blocks, (hidden, mm)
+    )
+    assert writers == [threading.current_thread().name]  # written before save_outputs returned
+    hidden.fill_(-1.0)
+    mm.fill_(-1.0)
+    out = manager.materialize(step, ["a"])
+    assert torch.equal(out.hidden_states["a"], kept[0])
+    assert torch.equal(out.mm_outputs[MM]["a"], kept[1])
+    assert _pages_untouched(manager)
+    # b starts on a's first 512 tokens (a finished; its blocks stay in the pool).
+    b_blocks = {"b": blocks["a"][:32] + _blocks(100, 16)}
+    step = _save(
+        manager,
+        [PrefixCacheRequestEvent(req_id="a", kind=FINISHED), _start("b", b_blocks["b"], 16, 512)],
+        {"b": 16},
+        {"b": 512},
+        b_blocks,
+        _rows(16, 9.0),
+    )
+    out = manager.materialize(step, ["b"])
+    assert torch.equal(out.hidden_states["b"][:512], kept[0][:512])
+    assert torch.equal(out.mm_outputs[MM]["b"][:512], kept[1][:512])
+
+
+def test_threaded_mode_keeps_a_small_steps_pool_write_off_the_engine_thread(
+    manager: OmniPrefixCacheManager, threaded: bool
+) -> None:
+    """Threaded mode: a step under DIRECT_WRITE_MIN_BYTES is copied into its page and the
+    committer thread writes the pool; inline mode writes it straight (D27)."""
+    writers: list[str] = []
+    manager._inject_fault("pool_write", lambda job: writers.append(threading.current_thread().name))
+    blocks = {"a": _blocks(0, 8)}
+    rows = _rows(8, 1.0)
+    step = _save(manager, [_start("a", blocks["a"], 8)], {"a": 8}, {"a": 0}, blocks, rows)
+    out = manager.materialize(step, ["a"])
+    assert torch.equal(out.hidden_states["a"], rows[0])
+    settle(manager)
+    if threaded:
+        assert writers == ["omni-prefix-cache-committer"]
+        assert not _pages_untouched(manager)
+    else:
+        assert writers == [threading.current_thread().name]
+        assert _pages_untouched(manager)
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+def test_delayed_reader_of_the_previous_tenant_gets_the_previous_rows(
+    manager: OmniPrefixCacheManager, big: bool
+) -> None:
+    """STEP-3, HIT-6: a's step is consumed only after b's step wrote other rows over a's
+    blocks (a finished, its blocks reused); a's materialize still returns a's rows, and b's
+    returns b's. With `big`, both steps wrote straight to the pool (D27)."""
+    n = BIG if big else 24
+    blocks = {"a": _blocks(0, n)}
+    a_rows = _rows(n, 0.25)
+    kept = (a_rows[0].clone(), a_rows[1].clone())
+    step_a = _save(manager, [_start("a", blocks["a"], n)], {"a": n}, {"a": 0}, blocks, a_rows)
+    a_rows[0].fill_(7.0)  # the caller reuses its buffers for the next step
+    b_rows = _rows(n, 100.0)
+    step_b = _save(
+        manager,
+        [PrefixCacheRequestEvent(req_id="a", kind=FINISHED), _start("b", blocks["a"], n)],
+        {"b": n},
+        {"b": 0},
+        {"b": blocks["a"]},
+        b_rows,
+    )
+    out_a = manager.materialize(step_a, ["a"])
+    assert torch.equal(out_a.hidden_states["a"], kept[0])
+    assert torch.equal(out_a.mm_outputs[MM]["a"], kept[1])
+    out_b = manager.materialize(step_b, ["b"])
+    assert torch.equal(out_b.hidden_states["b"], b_rows[0])
+
+
+def test_delayed_reader_on_another_thread_while_the_slots_are_rewritten(
+    manager: OmniPrefixCacheManager,
+) -> None:
+    """CONC-3, STEP-3: a builder thread materializes each step one step late while the engine
+    thread's next save rewrites the same blocks from the same buffers; every step returns the
+    rows it saved."""
+    blocks = _blocks(0, BIG)
+    rows = _rows(BIG, 0.0)
+    errors: list[str] = []
+
+    def build(step: int, req: str, want: torch.Tensor) -> None:
+        got = manager.materialize(step, [req]).hidden_states[req]
+        if not torch.equal(got, want):
+            errors.append(f"step {step}: {int((got != want).any(dim=1).sum())} rows wrong")
+
+    builder: threading.Thread | None = None
+    for i in range(8):
+        rows[0].copy_(_rows(BIG, 10.0 * i)[0])  # the caller's buffers, reused every step
+        req = f"r{i}"
+        events = [_start(req, blocks, BIG)]
+        if i:
+            events.insert(0, PrefixCacheRequestEvent(req_id=f"r{i - 1}", kind=FINISHED))
+        step = _save(manager, events, {req: BIG}, {req: 0}, {req: blocks}, rows)
+        if builder is not None:
+            builder.join(10)
+        builder = threading.Thread(target=build, args=(step, req, rows[0].clone()))
+        builder.start()
+    assert builder is not None
+    builder.join(10)
+    assert not errors, errors
+
+
+def test_a_slot_twice_in_one_step_keeps_both_rows(manager: OmniPrefixCacheManager) -> None:
+    """STEP-3: two requests of one step write the same block (the engine's choice); the pool
+    keeps the later row (TASK-5), and the step's own materialize returns each request's rows."""
+    blocks = {"x": [3], "y": [3]}
+    rows = _rows(8, 2.0)
+    try:
+        step = _save(
+            manager,
+            [_start("x", [3], 4), _start("y", [3], 4)],
+            {"x": 4, "y": 4},
+            {"x": 0, "y": 0},
+            blocks,
+            rows,
+        )
+    except Exception as exc:  # pragma: no cover - the core may refuse a repeated slot
+        pytest.skip(f"a repeated slot is refused: {exc}")
+    rows_kept = rows[0].clone()
+    rows[0].fill_(0.0)
+    out = manager.materialize(step, ["x", "y"])
+    assert torch.equal(out.hidden_states["x"], rows_kept[:4])
+    assert torch.equal(out.hidden_states["y"], rows_kept[4:])
+    settle(manager)
+    pool = manager._state.pool.tensors[HIDDEN_KEY]
+    assert torch.equal(pool[48:52], rows_kept[4:])  # the later row won the slot
+
+
+@pytest.mark.parametrize("point", ["pool_write", "host_ready"])
+def test_a_failed_direct_write_is_sticky(manager: OmniPrefixCacheManager, point: str) -> None:
+    """FAIL-1: the write that runs in save_outputs fails; the save raises WriteFailedError and
+    every later call raises it too."""
+
+    def fail(job: Any) -> None:
+        raise RuntimeError(f"injected {point} fault")
+
+    manager._inject_fault(point, fail)
+    blocks = {"a": _blocks(0, BIG)}
+    with pytest.raises(WriteFailedError) as caught:
+        _save(manager, [_start("a", blocks["a"], BIG)], {"a": BIG}, {"a": 0}, blocks, _rows(BIG, 1))
+    assert f"injected {point} fault" in caught.value.reason
+    manager._inject_fault(point, None)
+    with pytest.raises(WriteFailedError):
+        manager.new_step_starts(PrefixCacheStep(events=[], scheduled_tokens={}))
+    with pytest.raises(WriteFailedError):
+        manager.materialize(1, ["a"])
+    assert manager.stats().writes_failed == 1
+
+
+def test_a_failed_take_of_the_rows_leaves_no_trace(manager: OmniPrefixCacheManager) -> None:
+    """STEP-5: the `page_copy` point, where a direct step takes its rows, fails the save with
+    StagingCopyError inside its transaction; the next save of the same step works."""
+    calls: list[str] = []
+
+    def fail_mm(key: str) -> None:
+        calls.append(key)
+        if key == MM:
+            raise RuntimeError("injected")
+
+    manager._inject_fault("page_copy", fail_mm)
+    blocks = {"a": _blocks(0, BIG)}
+    rows = _rows(BIG, 3.0)
+    manager.new_step_starts(
+        PrefixCacheStep(events=[_start("a", blocks["a"], BIG)], scheduled_tokens={"a": BIG})
+    )
+    layout = PrefixCacheWriteLayout.from_block_tables(["a"], {"a": BIG}, {"a": 0}, blocks, BLOCK)
+    with pytest.raises(StagingCopyError):
+        manager.save_outputs(rows[0], {MM: rows[1]}, num_tokens_unpadded=BIG, write_layout=layout)
+    assert calls == [HIDDEN_KEY, MM]
+    stats = manager.stats()
+    assert stats.pages_in_use == 0 and stats.steps_saved == 0 and stats.writes_failed == 0
+    assert not manager._state.pool.tensors[HIDDEN_KEY].any()  # nothing reached the pool
+    manager._inject_fault("page_copy", None)
+    step = manager.save_outputs(
+        rows[0], {MM: rows[1]}, num_tokens_unpadded=BIG, write_layout=layout
+    )
+    assert torch.equal(manager.materialize(step, ["a"]).hidden_states["a"], rows[0])
