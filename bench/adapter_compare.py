@@ -24,16 +24,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_SCRIPT = ROOT / "bench" / "adapter_step.py"
-#: A result row of adapter_step.py: name, wall, p90, engine, cpu, copy, ... (ms).
+#: A result row of adapter_step.py: name, wall, p90, engine, cpu, copy3, x copy3, copy1, ...
+#: (ms). The revision's run is this tree's script, so the columns are the same for both.
 ROW = re.compile(
     r"^(?P<name>(?:decode|prefill).*?(?:inline|threaded))\s+(?P<wall>[\d.]+)\s+[\d.]+\s+"
-    r"(?P<engine>[\d.]+)\s+(?P<cpu>[\d.]+)\s+(?P<copy>[\d.]+)",
+    r"(?P<engine>[\d.]+)\s+(?P<cpu>[\d.]+)\s+(?P<copy>[\d.]+)\s+[\d.]+\s+(?P<copy1>[\d.]+)",
     re.MULTILINE,
 )
 
 
-def _run(tree: Path, steps: int) -> dict[str, tuple[float, float, float]]:
-    """One round of adapter_step.py against the packages in `tree`: name -> (engine, cpu, copy)."""
+def _run(tree: Path, steps: int) -> dict[str, tuple[float, float, float, float]]:
+    """One round of adapter_step.py against the packages in `tree`.
+
+    Returns name -> (engine, cpu, three-copy copies, one-copy copies), in ms per cycle.
+    """
     env = dict(os.environ, PYTHONPATH=str(tree))
     out = subprocess.run(
         [sys.executable, str(STEP_SCRIPT), "--rounds", "1", "--steps", str(steps)],
@@ -44,7 +48,12 @@ def _run(tree: Path, steps: int) -> dict[str, tuple[float, float, float]]:
         cwd=tempfile.gettempdir(),  # so the working tree's packages are not found by accident
     ).stdout
     rows = {
-        m["name"].strip(): (float(m["engine"]), float(m["cpu"]), float(m["copy"]))
+        m["name"].strip(): (
+            float(m["engine"]),
+            float(m["cpu"]),
+            float(m["copy"]),
+            float(m["copy1"]),
+        )
         for m in ROW.finditer(out)
     }
     if len(rows) != 4:
@@ -68,7 +77,9 @@ def main() -> None:
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
         versions = {args.rev: old, "tree": ROOT}
-        results: dict[str, list[dict[str, tuple[float, float, float]]]] = {v: [] for v in versions}
+        results: dict[str, list[dict[str, tuple[float, float, float, float]]]] = {
+            v: [] for v in versions
+        }
         for _ in range(args.rounds):
             for name, tree in versions.items():
                 results[name].append(_run(tree, args.steps))
@@ -89,6 +100,11 @@ def main() -> None:
             f"{row:31} {'ratio':>10}  engine {engine_ratio:.2f}, cpu {cpu_ratio:.2f} "
             f"(tree / {args.rev}, median of rounds)"
         )
+        for name in versions:
+            # The cycle against each round's own copies, both baselines (median of rounds).
+            x3 = statistics.median(r[row][1] / r[row][2] for r in results[name])
+            x1 = statistics.median(r[row][1] / r[row][3] for r in results[name])
+            print(f"{row:31} {name:>10}  cpu / copy3 {x3:.2f}, cpu / copy1 {x1:.2f}")
 
 
 if __name__ == "__main__":
