@@ -230,17 +230,17 @@ def decode_layout_from_table(
     num_computed: Mapping[str, int],
     table_rows: Mapping[str, int],
     table: np.ndarray,
-    table_lens: np.ndarray,
     block_size: int,
 ) -> PrefixCacheWriteLayout | None:
     """A decode step's layout from block lists kept as one array; None if it is not that.
 
     The same layout `PrefixCacheWriteLayout.from_block_tables` builds when every request of
-    ``order`` has exactly one scheduled token, with request ``r``'s block list held as
-    ``table[table_rows[r], :table_lens[table_rows[r]]]``: two lookups per request, the rest array
-    work. None when a request has another count, misses from a mapping, has a negative computed
-    count or a position outside its blocks, or ``order`` and ``num_scheduled`` differ in length:
-    `from_block_tables` then builds the layout or names what is wrong.
+    ``order`` has exactly one scheduled token, with request ``r``'s block list held as the
+    leading entries of ``table[table_rows[r]]`` and -1 after them: two lookups per request, the
+    rest array work. None when a request has another count, misses from a mapping, has a
+    negative computed count or a position outside its blocks (a -1 or past the table), or
+    ``order`` and ``num_scheduled`` differ in length: `from_block_tables` then builds the
+    layout or names what is wrong.
     """
     n = len(order)
     if n == 0 or len(num_scheduled) != n:
@@ -251,12 +251,14 @@ def decode_layout_from_table(
             return None
         rows = np.fromiter(map(table_rows.__getitem__, order), dtype=np.int64, count=n)
         computed = np.fromiter(map(num_computed.__getitem__, order), dtype=np.int64, count=n)
-    except (KeyError, TypeError, ValueError, OverflowError):
+        if computed.min() < 0:
+            return None
+        blocks = table[rows, computed // block_size]
+    except (KeyError, TypeError, ValueError, OverflowError, IndexError):
         return None
-    columns = computed // block_size
-    if computed.min() < 0 or (columns >= table_lens[rows]).any():
+    if blocks.min() < 0:
         return None
-    slots = table[rows, columns].astype(np.int64) * block_size
+    slots = blocks.astype(np.int64) * block_size
     slots += computed % block_size
     req_ids = order if isinstance(order, tuple) else tuple(order)
     return PrefixCacheWriteLayout._from_bounds(

@@ -57,16 +57,17 @@ def assert_table_matches(state: TranslationState) -> None:
     assert len(set(state.table_rows.values())) == len(state.table_rows)  # a row each
     for req_id, blocks in state.running.items():
         row = state.table_rows[req_id]
-        assert int(state.table_lens[row]) == len(blocks), req_id
+        assert state.table_lens[row] == len(blocks), req_id
         assert state.table[row, : len(blocks)].tolist() == blocks, req_id
+        assert (state.table[row, len(blocks) :] == -1).all(), req_id
+    for row in set(range(len(state.table_lens))) - set(state.table_rows.values()):
+        assert state.table_lens[row] == 0 and (state.table[row] == -1).all()
 
 
 def layouts(
     state: TranslationState, order: list[str], sched: dict[str, int], starts: dict[str, int]
 ) -> tuple[PrefixCacheWriteLayout | None, PrefixCacheWriteLayout]:
-    fast = decode_layout_from_table(
-        order, sched, starts, state.table_rows, state.table, state.table_lens, BS
-    )
+    fast = decode_layout_from_table(order, sched, starts, state.table_rows, state.table, BS)
     return fast, PrefixCacheWriteLayout.from_block_tables(order, sched, starts, state.running, BS)
 
 
@@ -152,24 +153,18 @@ def test_a_decode_position_outside_its_blocks_falls_back_to_the_named_error() ->
     state.commit(state.translate(so), {"a": 4})
     sched, starts = {"a": 1}, {"a": 4}  # position 4 is in block 1, which "a" lacks
     fast, _ = (
-        decode_layout_from_table(
-            ["a"], sched, starts, state.table_rows, state.table, state.table_lens, BS
-        ),
+        decode_layout_from_table(["a"], sched, starts, state.table_rows, state.table, BS),
         None,
     )
     assert fast is None
     with pytest.raises(BadInputError):
         PrefixCacheWriteLayout.from_block_tables(["a"], sched, starts, state.running, BS)
     assert (
-        decode_layout_from_table(
-            ["b"], {"b": 1}, {"b": 0}, state.table_rows, state.table, state.table_lens, BS
-        )
+        decode_layout_from_table(["b"], {"b": 1}, {"b": 0}, state.table_rows, state.table, BS)
         is None
     )  # a request without a row
     assert (
-        decode_layout_from_table(
-            ["a"], {"a": 1}, {"a": -1}, state.table_rows, state.table, state.table_lens, BS
-        )
+        decode_layout_from_table(["a"], {"a": 1}, {"a": -1}, state.table_rows, state.table, BS)
         is None
     )  # a negative computed count
 

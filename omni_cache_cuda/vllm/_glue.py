@@ -529,7 +529,6 @@ class VllmPrefixCache:
                 step.starts,
                 translation.table_rows,
                 translation.table,
-                translation.table_lens,
                 self.block_size,
             )
             if layout is not None:

@@ -186,9 +186,9 @@ class TranslationState:
         preempted: Requests vLLM preempted and has not resumed or ended: no blocks.
         in_flight: The scheduled counts of the previous steps the engine may still have in
             flight (the last ``max_concurrent_batches - 1``).
-        table_rows, table, table_lens: The same block lists as one int64 array, for a decode
+        table_rows, table, table_lens: The same block lists as one int32 array, for a decode
             step's layout without a per-request lookup of a list: request -> its row of
-            ``table``, whose first ``table_lens[row]`` entries are its block ids.
+            ``table``, whose first ``table_lens[row]`` entries are its block ids and the rest -1.
     """
 
     def __init__(self, *, kv_group: int, max_concurrent_batches: int) -> None:
@@ -201,8 +201,8 @@ class TranslationState:
             maxlen=max_concurrent_batches - 1
         )
         self.table_rows: dict[str, int] = {}
-        self.table = np.zeros((64, 128), dtype=np.int32)
-        self.table_lens = np.zeros(64, dtype=np.int64)
+        self.table = np.full((64, 128), -1, dtype=np.int32)
+        self.table_lens = [0] * 64
         #: False once a block list did not fit the table (not ints, or beyond int32): the
         #: layout then reads the lists only.
         self.table_ok = True
@@ -242,17 +242,14 @@ class TranslationState:
             unconfirmed = self.unconfirmed
             unconfirmed.difference_update(step.computed, step.ended, step.preempting)
             unconfirmed.update(step.drafts)
-        rows, free = self.table_rows, self._free_rows
         for req_id in step.ended:
             running.pop(req_id, None)
             preempted.discard(req_id)
-            if (row := rows.pop(req_id, None)) is not None:
-                free.append(row)
+            self._free_row(req_id)
         for req_id in step.preempting:
             running.pop(req_id, None)
             preempted.add(req_id)
-            if (row := rows.pop(req_id, None)) is not None:
-                free.append(row)
+            self._free_row(req_id)
         for req_id, blocks in step.joining.items():
             preempted.discard(req_id)
             running[req_id] = blocks
@@ -277,29 +274,37 @@ class TranslationState:
                 self._grow(rows=2 * len(self.table_lens))
             row = self._free_rows.pop()
             self.table_rows[req_id] = row
+        else:
+            self.table[row, : self.table_lens[row]] = -1
         if len(blocks) > self.table.shape[1]:
             self._grow(cols=len(blocks))
         self.table[row, : len(blocks)] = blocks
         self.table_lens[row] = len(blocks)
 
+    def _free_row(self, req_id: str) -> None:
+        """Give an ended or preempted request's row back, its entries unused again."""
+        row = self.table_rows.pop(req_id, None)
+        if row is not None:
+            self.table[row, : self.table_lens[row]] = -1
+            self.table_lens[row] = 0
+            self._free_rows.append(row)
+
     def _extend_rows(self, extending: Sequence[tuple[str, Sequence[int]]]) -> None:
-        """Append the step's added block ids to their rows; one-block additions at once."""
+        """Append the step's added block ids to their rows (a decode step: a few, one each)."""
         table, lens, rows = self.table, self.table_lens, self.table_rows
-        if all(len(added) == 1 for _, added in extending):
-            at = np.fromiter((rows[r] for r, _ in extending), dtype=np.int64, count=len(extending))
-            cols = lens[at]
-            if int(cols.max()) >= table.shape[1]:
-                self._grow(cols=int(cols.max()) + 1)
-                table = self.table
-            table[at, cols] = [added[0] for _, added in extending]
-            lens[at] = cols + 1
-            return
+        width = table.shape[1]
         for req_id, added in extending:
             row = rows[req_id]
-            end = int(lens[row]) + len(added)
-            if end > self.table.shape[1]:
+            start = lens[row]
+            end = start + len(added)
+            if end > width:
                 self._grow(cols=end)
-            self.table[row, int(lens[row]) : end] = added
+                table = self.table
+                width = table.shape[1]
+            if end == start + 1:
+                table[row, start] = added[0]
+            else:
+                table[row, start:end] = added
             lens[row] = end
 
     def _grow(self, *, rows: int = 0, cols: int = 0) -> None:
@@ -307,13 +312,11 @@ class TranslationState:
         old_rows, old_cols = self.table.shape
         new_rows = max(rows, 2 * old_rows) if rows > old_rows else old_rows
         new_cols = max(cols, 2 * old_cols) if cols > old_cols else old_cols
-        table = np.zeros((new_rows, new_cols), dtype=np.int32)
+        table = np.full((new_rows, new_cols), -1, dtype=np.int32)
         table[:old_rows, :old_cols] = self.table
         self.table = table
         if new_rows > old_rows:
-            lens = np.zeros(new_rows, dtype=np.int64)
-            lens[:old_rows] = self.table_lens
-            self.table_lens = lens
+            self.table_lens.extend([0] * (new_rows - old_rows))
             self._free_rows.extend(range(new_rows - 1, old_rows - 1, -1))
 
     # -----------------------------------------------------------------------------------------
