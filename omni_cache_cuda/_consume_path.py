@@ -265,9 +265,14 @@ class ConsumePath:
                 continue
             start, end = ctx.req_rows[req]
             hit = len(read.slots)
-            full = torch.empty((hit + end - start, *shape.features), dtype=shape.dtype)
+            record = records.get(read.read_id)
+            buffer = _prefetched_buffer(record, hit, end - start, shape.width)
+            if buffer is not None:
+                full = buffer.view(hit + end - start, *shape.features)  # HIT-7, gathered there
+            else:
+                full = torch.empty((hit + end - start, *shape.features), dtype=shape.dtype)
             flat = full.view(len(full), -1)
-            self.gather(flat[:hit], read, records.get(read.read_id), ctx, current)
+            self.gather(flat[:hit], read, record, ctx, current)
             self._own_rows(ctx, key, np.arange(start, end, dtype=np.int64), flat[hit:])
             out[req] = full
         for req, k in skips.items():
@@ -360,9 +365,10 @@ class ConsumePath:
         prefetched = record.prefetch if record is not None else None
         if prefetched is not None:
             positions, future = prefetched
-            rows = future.result()
+            rows = future.result()[: len(positions)]  # the buffer's tail is the step's rows
             if len(positions) == len(source):
-                out.copy_(rows)  # HIT-7: the prefetch covered every row
+                if out.data_ptr() != rows.data_ptr():  # else gathered in place already
+                    out.copy_(rows)  # HIT-7: the prefetch covered every row
                 pooled = np.zeros(len(source), dtype=np.bool_)
             elif len(positions):
                 out[torch.from_numpy(positions)] = rows
@@ -429,6 +435,28 @@ class ConsumePath:
             picked = rows.index_select(0, index.to(rows.device, non_blocking=False)).to("cpu")
         stream.synchronize()
         return picked
+
+
+def _prefetched_buffer(
+    record: ReadRecord | None, hit: int, tail: int, width: int
+) -> torch.Tensor | None:
+    """The prefetch's buffer when it holds the whole prefix and room for exactly ``tail`` rows.
+
+    Then the consume fills the tail and hands the buffer out: each row is copied once (D27).
+    None otherwise, or when the prefetch failed (the gather raises that, as it does now).
+    """
+    if record is None or record.prefetch is None or record.prefetch_tail != tail:
+        return None
+    positions, future = record.prefetch
+    if len(positions) != hit:
+        return None
+    try:
+        buffer = future.result()
+    except (Exception, concurrent.futures.CancelledError):  # the gather reports it
+        return None
+    if buffer.shape != (hit + tail, width):
+        return None
+    return buffer
 
 
 def _checked_counts(counts: Mapping[str, int] | None) -> dict[ReqId, int] | None:

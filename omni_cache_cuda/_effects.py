@@ -102,19 +102,32 @@ class EffectInterpreter:
             state.committer.escalate(escalate)
         for record, read in prefetch:
             assert state.prefetcher is not None
+            # Room for the request's rows of this step behind its prefix: a consume that finds
+            # the whole prefix prefetched fills the rest and hands the buffer out (one copy).
+            tail = step.scheduled_tokens.get(read.req_id, 0)
             future = state.prefetcher.submit(
-                self._prefetch_gather, read, state.pool.tensors[read.key]
+                self._prefetch_gather, read, state.pool.tensors[read.key], tail
             )
             record.prefetch = (read.positions, future)
+            record.prefetch_tail = tail
         if escalate and not state.threaded:
             with state.lock:
                 state.drain()
 
-    def _prefetch_gather(self, effect: PrefetchRead, pool_rows: torch.Tensor) -> torch.Tensor:
-        """On the prefetch worker: gather a hit's committed pool rows (HIT-7)."""
+    def _prefetch_gather(
+        self, effect: PrefetchRead, pool_rows: torch.Tensor, tail: int = 0
+    ) -> torch.Tensor:
+        """On the prefetch worker: gather a hit's committed pool rows (HIT-7).
+
+        Returns a buffer of ``len(slots) + tail`` rows whose first rows are the gathered ones;
+        the ``tail`` rows are left for the consume to fill.
+        """
         self._state.faults.fire("prefetch", effect)
         with self._state.ranges("omni_cache.hit_prefetch"):
-            return pool_rows.index_select(0, torch.from_numpy(effect.slots))
+            count = len(effect.slots)
+            out = torch.empty((count + tail, pool_rows.shape[1]), dtype=pool_rows.dtype)
+            torch.index_select(pool_rows, 0, torch.from_numpy(effect.slots), out=out[:count])
+            return out
 
     # -----------------------------------------------------------------------------------------
     # Save.

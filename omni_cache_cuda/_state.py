@@ -49,13 +49,16 @@ __all__ = ["AdapterState", "ReadRecord", "StepContext"]
 class ReadRecord:
     """The adapter side of one planned hit read: its prefetch and its preserved rows (HIT-6)."""
 
-    __slots__ = ("closed", "lock", "prefetch", "preserved")
+    __slots__ = ("closed", "lock", "prefetch", "prefetch_tail", "preserved")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.closed = False
         # (positions, future of the gathered rows), from a PrefetchRead effect (HIT-7).
+        # The future's buffer has ``prefetch_tail`` more rows than positions, for the rows the
+        # request computes in the step (filled by the consume, D27).
         self.prefetch: tuple[np.ndarray, concurrent.futures.Future[torch.Tensor]] | None = None
+        self.prefetch_tail = 0
         self.preserved: list[tuple[np.ndarray, torch.Tensor]] = []
 
 
