@@ -130,6 +130,7 @@ from omni_cache_cuda.vllm._scheduler_output import (
     StepTranslation,
     TranslationState,
 )
+from omni_cache_cuda.vllm._stops import NO_STOP_RULE, StopRule, stop_rule_of
 
 __all__ = [
     "VLLM_CPU_VERSION_CHECKED",
@@ -242,6 +243,7 @@ class VllmPrefixCache:
         block_size: int,
         kv_group: int = 0,
         max_concurrent_batches: int = 1,
+        max_model_len: int | None = None,
     ) -> None:
         if not isinstance(manager, OmniPrefixCacheManager):
             raise BadInputError(
@@ -271,9 +273,12 @@ class VllmPrefixCache:
         )
         self._open_step: _OpenStep | None = None
         self._counts = dict.fromkeys(self._COUNTERS, 0)
-        #: Per saved step with drafts: each drafting request's first draft position, to turn
-        #: sampled token ids into computed counts at its materialize (SPEC-2).
-        self._draft_bases: dict[StepId, dict[str, int]] = {}
+        #: Per saved step with drafts: each drafting request's first draft position and stop
+        #: rule, to turn sampled token ids into computed counts at its materialize (SPEC-2).
+        self._draft_bases: dict[StepId, dict[str, tuple[int, StopRule | None]]] = {}
+        #: Per live request, where the scheduler cuts its sampled tokens (`_stops`).
+        self.max_model_len = max_model_len
+        self._stop_rules: dict[str, StopRule | None] = {}
 
     # -----------------------------------------------------------------------------------------
     # Construction from vLLM's configs.
@@ -332,7 +337,13 @@ class VllmPrefixCache:
         )
         try:
             return cls(
-                manager, block_size=block_size, kv_group=kv_group, max_concurrent_batches=depth
+                manager,
+                block_size=block_size,
+                kv_group=kv_group,
+                max_concurrent_batches=depth,
+                max_model_len=getattr(
+                    getattr(vllm_config, "model_config", None), "max_model_len", None
+                ),
             )
         except BaseException:
             manager.shutdown()
@@ -380,18 +391,20 @@ class VllmPrefixCache:
         With speculative decoding, ``sampled_token_ids`` (per request, the token ids this
         step's sampler produced: vLLM's ``ModelRunnerOutput.sampled_token_ids``, the accepted
         drafts and one more) confirms the step's drafts, so their accepted rows are handed out
-        by this call. Without it they are handed out once the next `step_begin` confirms them:
+        by this call; the count stops where the scheduler stops the request (its EOS or stop
+        token, or its length cap: `_stops`), so no row past its last token is. Without it they are handed out once the next `step_begin` confirms them:
         by this call if it comes after that, else by the request's next step; the drafts of a
         request's last step are then never handed out (SPEC-2, SPEC-4, SPEC-5).
         """
         bases = self._draft_bases.pop(step_id, None)
         computed = None
         if bases and sampled_token_ids:
-            computed = {
-                r: bases[r] + max(len(ids) - 1, 0)
-                for r, ids in sampled_token_ids.items()
-                if r in bases
-            }
+            computed = {}
+            for r, ids in sampled_token_ids.items():
+                base, rule = bases.get(r, (0, None))
+                if rule is None:
+                    continue  # no drafts here, or a stop rule not known: the records confirm
+                computed[r] = base + max(min(len(ids) - 1, rule.kept(base, ids)), 0)
         return self.manager.materialize(step_id, req_ids, computed_tokens=computed)
 
     def has_drafts(self, step_id: StepId) -> bool:
@@ -441,6 +454,13 @@ class VllmPrefixCache:
         self._translation.commit(translated, step.scheduled_tokens)
         self._open_step = _OpenStep(step.scheduled_tokens, translated.starts, translated.drafts)
         self._count(translated)
+        new = getattr(scheduler_output, "scheduled_new_reqs", None)
+        if new:
+            for request in new:
+                self._stop_rules[request.req_id] = stop_rule_of(request, self.max_model_len)
+        if self._stop_rules and translated.ended:
+            for req_id in translated.ended:
+                self._stop_rules.pop(req_id, None)
 
     def _count(self, step: StepTranslation) -> None:
         """Add a fed-in step and its records to `counts`."""
@@ -511,8 +531,10 @@ class VllmPrefixCache:
         if drafts:
             step = self._open_step
             assert step is not None
+            rules = self._stop_rules
             self._draft_bases[step_id] = {
-                r: step.starts[r] + step.scheduled[r] - k for r, k in drafts.items()
+                r: (step.starts[r] + step.scheduled[r] - k, rules.get(r, NO_STOP_RULE))
+                for r, k in drafts.items()
             }
         self._open_step = None
         return step_id

@@ -338,13 +338,17 @@ class SpecEngine(Engine):
     # --- the oracle ---
 
     def owed(self, adm: Admission) -> set[int]:
-        """The promised positions below the final length - 1; positions at or past it (accepted
-        drafts vLLM dropped after the end) may come at most once."""
+        """The promised positions below the final length - 1; the last token's own position
+        (computed when it was an accepted draft) may come at most once, and no position past
+        it: accepted drafts vLLM dropped after a stop or the length cap are not tokens of the
+        request (SPEC-2: the glue cuts sampled ids where the scheduler does)."""
         assert isinstance(adm, SpecAdmission)
         request = adm.request
         assert request is not None and request.is_finished(), adm
         final = len(request.all_token_ids)
         delivered = set(adm.delivered)
+        past = sorted(p for p in delivered if p >= final)
+        assert not past, f"{adm}: rows delivered past its last token (length {final}): {past}"
         self.counts.rows_past_end += sum(1 for p in delivered if p >= final - 1)
         self.counts.rows_not_promised += sum(1 for p in adm.accepted - delivered if p < final - 1)
         return {p for p in adm.promised if p < final - 1}

@@ -163,15 +163,10 @@ def test_rows_under_ngram_speculation_equal_the_recompute(run: dict[str, Any]) -
     assert counts["failed"] is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the export counts a request's last drafted step from the sampler's token ids, "
-    "which vLLM's scheduler then cuts at max_tokens: rows past the request's last token are "
-    "delivered",
-)
 def test_no_row_is_delivered_past_a_requests_last_token(run: dict[str, Any]) -> None:
-    """A request's rows stop at its last token (SPEC-3: a row past it belongs to a draft that
-    vLLM dropped when the request reached ``max_tokens``, a token the request does not have)."""
+    """A request's rows stop at its last token (SPEC-2, SPEC-3: a row past it belongs to a
+    draft that vLLM dropped when the request reached ``max_tokens``, a token the request does
+    not have; the glue cuts the sampled ids where the scheduler does)."""
     over = {
         req: (run["rows"][req].positions.numel(), len(seen.tokens))
         for req, seen in run["done"].items()
