@@ -392,9 +392,10 @@ class VllmPrefixCache:
         step's sampler produced: vLLM's ``ModelRunnerOutput.sampled_token_ids``, the accepted
         drafts and one more) confirms the step's drafts, so their accepted rows are handed out
         by this call; the count stops where the scheduler stops the request (its EOS or stop
-        token, or its length cap: `_stops`), so no row past its last token is. Without it they are handed out once the next `step_begin` confirms them:
-        by this call if it comes after that, else by the request's next step; the drafts of a
-        request's last step are then never handed out (SPEC-2, SPEC-4, SPEC-5).
+        token, or its length cap: `_stops`), so no row past its last token is handed out.
+        Without it they are handed out once the next `step_begin` confirms them: by this call
+        if it comes after that, else by the request's next step; the drafts of a request's
+        last step are then never handed out (SPEC-2, SPEC-4, SPEC-5).
         """
         bases = self._draft_bases.pop(step_id, None)
         computed = None
