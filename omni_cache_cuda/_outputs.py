@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -97,10 +97,11 @@ class DeliveredPositions(Mapping[str, tuple[int, int]]):
         return f"DeliveredPositions({self._built()!r})"
 
 
-# Single lookups answered with their own slice before a lookup makes every view at once: one
-# split per key costs about a third of a slice per request, but a caller that reads a handful of
-# requests should not pay for hundreds.
-_SINGLE_LOOKUPS = 8
+# Single lookups answered with their own slice before the next lookup makes every view at once.
+# One split costs about a third of a slice per request, so a caller that reads every request
+# (an output builder) should get to it at once; one that reads a request or two should not pay
+# for hundreds of views.
+_SINGLE_LOOKUPS = 2
 
 
 class _FilledRows(dict):  # type: ignore[type-arg]
@@ -118,8 +119,8 @@ class RequestRows(_FilledRows):
     A dict (OUT-5: ``hidden_states`` and every cached ``mm_outputs`` entry are dicts of request id
     to rows), in the order of the materialize's request ids. ``materialize`` hands out the
     step's rows of a key as one tensor plus each request's row range; no per-request view is
-    made until a caller reads one. The first few single lookups (``[]``, ``get``) slice just that
-    request; any other use, or more lookups, makes every view with one ``torch.split`` and the
+    made until a caller reads one. The first two single lookups (``[]``, ``get``) slice just that
+    request; any other use, or a third lookup, makes every view with one ``torch.split`` and the
     object then behaves as, and is, a plain dict subclass (pickles and copies are plain dicts).
     Entries set before that (a hit request's merged rows) are kept as set.
     """
@@ -135,16 +136,20 @@ class RequestRows(_FilledRows):
         # The views live nowhere yet; dict storage holds what was set or read one by one.
         self._pending: tuple[torch.Tensor, Mapping[str, tuple[int, int]], tuple[str, ...]] | None
         self._pending = (base, req_rows, wanted)
-        self._members_set: frozenset[str] | None = None  # the wanted ids, built when needed
+        # The wanted ids, found when needed: the step's own rows when they are the whole
+        # layout in its order (the usual call), else a set of them.
+        self._members_set: Collection[str] | None = None
         self._kept: dict[str, torch.Tensor] | None = None  # entries set before the views exist
 
     # -- lookups that need one view ---------------------------------------------------------
 
-    def _members(self) -> frozenset[str]:
+    def _members(self) -> Collection[str]:
         members = self._members_set
         if members is None:
             assert self._pending is not None
-            members = frozenset(self._pending[2])  # the ids may repeat: a dict keeps one
+            _, req_rows, wanted = self._pending
+            # The ids may repeat or leave some out: a set then, as a dict keeps one of each.
+            members = req_rows if tuple(req_rows) == wanted else frozenset(wanted)
             self._members_set = members
         return members
 
@@ -202,7 +207,7 @@ class RequestRows(_FilledRows):
         # Entries set (not read) before now win; a view read one by one is made again, alike.
         kept = self._kept
         dict.clear(self)
-        if tuple(req_rows) == wanted:
+        if self._members_set is req_rows or tuple(req_rows) == wanted:
             dict.update(self, zip(wanted, pieces, strict=True))
         else:
             by_req = dict(zip(req_rows, pieces, strict=True))
