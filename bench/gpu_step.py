@@ -17,20 +17,53 @@ Then the pinned host bytes (`registered_pinned_bytes`) against the configured po
 Before each timed save the previous step's pool write has landed and the device is idle, so the
 save waits on nothing. Medians after a warm-up (time.perf_counter, time.thread_time).
 
+Then the copies launched per step, by phase, for two steps of two keys (hidden states of width
+2048 and `talker.h` of width 16, bf16): 8 requests x 64 rows with no hit, and the same with 5
+requests starting on a 512-row hit (32 blocks), 3 of them on contiguous blocks (one slot run)
+and 2 on scattered blocks (32 runs). A `TorchDispatchMode` counts the aten copy and gather ops
+(`copy_`, `clone`, `_to_copy`, `index_select`, `index_copy_`, `index_put_`, `index`, `cat`,
+...) per key (told apart by row width); ops on int64 tensors (slot ids, indices) are counted
+apart as `index`. The pool write is a numpy row assignment through byte views, no aten op: its
+assignments are counted by a wrapper around the committer's `row_bytes`. The phases, told
+apart by the manager's range hooks (the NVTX range names):
+- `save`: inside `save_outputs`, the pool write aside; on CUDA the on-device clone (DEV-1) and
+  the copy into the landing page, one each per key; on the CPU none (DESIGN D27: the rows go
+  from the caller's tensors straight into the pool);
+- `pool write`: the rows into the host pool, one assignment per key;
+- `own rows`: `materialize` outside the hit gathers: the step's own rows (on the CPU gathered
+  out of the pool, one `index_select` per key for the requests without a hit and one per hit
+  request; on CUDA the page's rows cloned once per key and each hit request's copied behind
+  its prefix);
+- `hit gather`: the hit prefixes gathered out of the pool: one `index_select` per hit request
+  and key whatever the layout; next to it the hit's contiguous slot runs (the copies a per-run
+  gather, as a device-side one would be, launches) and its blocks (a per-block copy's count);
+- `to device`: the caller moving the returned rows to the device, one `.to(device)` per
+  contiguous buffer and key (the requests without a hit share one buffer, each hit request
+  has its own); on the CPU a `.to(copy=True)` stands in.
+The counting manager is inline and does not prefetch (HIT-7), so every op runs on the thread
+the mode watches; the threaded committer and the prefetch worker launch the same ops elsewhere.
+
 Run: python bench/gpu_step.py [--reps N]. Without CUDA it prints a message and exits 0.
-`--device cpu` runs the same script on the CPU to check it end to end; its figures are no
-device-to-host transfer and mean nothing.
+`--device cpu` runs the same script on the CPU to check it end to end; its timings are no
+device-to-host transfer and mean nothing, its copy counts are the CPU path's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
+import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omni_cache_cuda import (
     HIDDEN_KEY,
@@ -40,6 +73,7 @@ from omni_cache_cuda import (
     PrefixCacheRequestEvent,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
+    _committer,
 )
 from omni_cache_cuda._storage import registered_pinned_bytes
 
@@ -47,6 +81,31 @@ BLOCK_SIZE = 16
 WIDTH = 2048
 DTYPE = torch.bfloat16
 SIZES = (1024, 8192, 16384)
+MM_KEY = "talker.h"
+MM_WIDTH = 16
+SHORT: dict[str, str] = {HIDDEN_KEY: "hidden"}  # column names
+# The aten ops that copy or gather rows (any overload: in place, out=, functional).
+COPY_OPS = frozenset(
+    {
+        "copy_",
+        "clone",
+        "_to_copy",
+        "index_select",
+        "index_copy_",
+        "index_copy",
+        "index_put_",
+        "index_put",
+        "_index_put_impl_",
+        "index",
+        "cat",
+        "gather",
+        "take",
+        "scatter",
+        "scatter_",
+        "masked_scatter_",
+        "narrow_copy",
+    }
+)
 
 
 def wait_rows_written(m: OmniPrefixCacheManager, rows: int, timeout_s: float = 60.0) -> None:
@@ -60,6 +119,291 @@ def wait_rows_written(m: OmniPrefixCacheManager, rows: int, timeout_s: float = 6
 
 def med(values: list[float]) -> float:
     return statistics.median(values)
+
+
+class CopyCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the aten copy and gather ops launched on this thread, by phase, key and op.
+
+    A key is told by the row width of the op's result (``widths``); results of an integer
+    dtype (slot ids, gather indices) count under ``index``. Ops under the manager's
+    ``omni_cache.hit_gather`` range count as the phase ``hit gather``, under
+    ``omni_cache.pool_write`` as ``pool write``; the others as the phase set by the caller.
+    """
+
+    def __init__(self, widths: dict[int, str]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.widths = widths
+        self.byte_widths = {w * DTYPE.itemsize: k for w, k in widths.items()}
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        self.phase = "other"
+        self._ranges = threading.local()
+
+    def _stack(self) -> list[str]:
+        stack: list[str] | None = getattr(self._ranges, "stack", None)
+        if stack is None:
+            stack = self._ranges.stack = []
+        return stack
+
+    @contextlib.contextmanager
+    def range(self, name: str) -> Iterator[None]:
+        """The manager's range function (NVTX names): marks the ops run inside it."""
+        stack = self._stack()
+        stack.append(name)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def current_phase(self) -> str:
+        stack = self._stack()
+        if "omni_cache.hit_gather" in stack:
+            return "hit gather"
+        if "omni_cache.pool_write" in stack:
+            return "pool write"
+        return self.phase
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in COPY_OPS:
+            result = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(result, torch.Tensor) and result.is_floating_point():
+                key = self.widths.get(result.shape[-1] if result.ndim else 0, "other")
+            else:
+                key = "index"
+            self.counts[(self.current_phase(), key, name)] += 1
+        return out
+
+    def count_pool_assignment(self, row_nbytes: int) -> None:
+        key = self.byte_widths.get(row_nbytes, "other")
+        self.counts[("pool write", key, "numpy row assignment")] += 1
+
+
+class _CountedRows(np.ndarray):
+    """A pool's byte view whose row assignments are counted (the committer's pool write)."""
+
+    counter: CopyCounter | None = None
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if _CountedRows.counter is not None and self.ndim == 2:
+            _CountedRows.counter.count_pool_assignment(self.shape[1])
+        super().__setitem__(index, value)
+
+
+@contextlib.contextmanager
+def counting(m: OmniPrefixCacheManager, counter: CopyCounter) -> Iterator[None]:
+    """Count ``m``'s copies on this thread: the dispatch mode, the range hooks, the pool write."""
+    state = m._state
+    saved = state.ranges, state.committer.ranges, _committer.row_bytes
+    plain_row_bytes = _committer.row_bytes
+
+    def counted_row_bytes(rows: torch.Tensor) -> np.ndarray:
+        return plain_row_bytes(rows).view(_CountedRows)
+
+    state.ranges = state.committer.ranges = counter.range
+    _committer.row_bytes = counted_row_bytes
+    _CountedRows.counter = counter
+    try:
+        with counter:
+            yield
+    finally:
+        state.ranges, state.committer.ranges, _committer.row_bytes = saved
+        _CountedRows.counter = None
+
+
+def slot_runs(slots: list[int]) -> int:
+    """The number of runs of consecutive slots: the copies a per-run gather launches."""
+    return sum(1 for i, s in enumerate(slots) if i == 0 or s != slots[i - 1] + 1)
+
+
+def count_copies(device: torch.device) -> None:
+    """Print the copy ops launched per step, by phase and key, for a step without and with hits."""
+    own_rows, hit_rows, requests = 64, 512, 8
+    hit_blocks = hit_rows // BLOCK_SIZE
+    # Two shared prefixes: one on contiguous blocks, one on every other block (scattered).
+    prefixes = {
+        "contiguous": list(range(hit_blocks)),
+        "scattered": list(range(hit_blocks, 3 * hit_blocks, 2)),
+    }
+    # Which prefix each of the step's requests starts on (None: no hit).
+    starts_on: list[str | None] = ["contiguous"] * 3 + ["scattered"] * 2 + [None] * 3
+    widths = {WIDTH: HIDDEN_KEY, MM_WIDTH: MM_KEY}
+    keys = list(widths.values())
+    config = PrefixCacheConfig(
+        num_blocks=1024, block_size=BLOCK_SIZE, staging_capacity_tokens=2048, staging_depth=2
+    )
+    kind = PrefixCacheEventKind
+    print()
+    print("copies launched per step, by phase and key: aten ops seen by a TorchDispatchMode,")
+    print("the pool write's numpy row assignments counted apart; inline manager, no prefetch")
+    with OmniPrefixCacheManager(config, device=device, threaded=False, prefetch=False) as m:
+        # The prefixes: written by two requests that stay live.
+        warm = {}
+        events = []
+        for name, blocks in prefixes.items():
+            req = f"warm_{name}"
+            warm[name] = (
+                torch.randn((hit_rows, WIDTH), device=device).to(DTYPE),
+                torch.randn((hit_rows, MM_WIDTH), device=device).to(DTYPE),
+            )
+            events.append(
+                PrefixCacheRequestEvent(
+                    req_id=req, kind=kind.STARTED, block_ids=blocks, scheduled_tokens=hit_rows
+                )
+            )
+        warm_reqs = [f"warm_{name}" for name in prefixes]
+        layout = PrefixCacheWriteLayout.from_block_tables(
+            warm_reqs,
+            dict.fromkeys(warm_reqs, hit_rows),
+            dict.fromkeys(warm_reqs, 0),
+            {f"warm_{n}": b for n, b in prefixes.items()},
+            BLOCK_SIZE,
+        )
+        m.new_step_starts(
+            PrefixCacheStep(events=events, scheduled_tokens=dict.fromkeys(warm_reqs, hit_rows))
+        )
+        step_id = m.save_outputs(
+            torch.cat([warm[n][0] for n in prefixes]),
+            {MM_KEY: torch.cat([warm[n][1] for n in prefixes])},
+            num_tokens_unpadded=len(prefixes) * hit_rows,
+            write_layout=layout,
+        )
+        m.materialize(step_id, warm_reqs)
+
+        next_block = 4 * hit_blocks
+        for label, with_hits in (("no hit", False), ("5 hits", True)):
+            reqs = [f"{label}_{i}" for i in range(requests)]
+            computed: dict[str, int] = {}
+            block_ids: dict[str, list[int]] = {}
+            events = []
+            hit_slots: dict[str, list[int]] = {}
+            for req, prefix in zip(reqs, starts_on, strict=True):
+                prefix = prefix if with_hits else None
+                own = list(range(next_block, next_block + own_rows // BLOCK_SIZE))
+                next_block += len(own)
+                if prefix is None:
+                    computed[req], block_ids[req] = 0, own
+                else:
+                    computed[req], block_ids[req] = hit_rows, prefixes[prefix] + own
+                    hit_slots[req] = [
+                        b * BLOCK_SIZE + o for b in prefixes[prefix] for o in range(BLOCK_SIZE)
+                    ]
+                events.append(
+                    PrefixCacheRequestEvent(
+                        req_id=req,
+                        kind=kind.STARTED,
+                        hit_end=computed[req],
+                        block_ids=block_ids[req],
+                        scheduled_tokens=own_rows,
+                    )
+                )
+            n = requests * own_rows
+            hidden = torch.randn((n, WIDTH), device=device).to(DTYPE)
+            mm = torch.randn((n, MM_WIDTH), device=device).to(DTYPE)
+            scheduled = dict.fromkeys(reqs, own_rows)
+            m.new_step_starts(PrefixCacheStep(events=events, scheduled_tokens=scheduled))
+            layout = PrefixCacheWriteLayout.from_block_tables(
+                reqs, scheduled, computed, block_ids, BLOCK_SIZE
+            )
+            counter = CopyCounter(widths)
+            with counting(m, counter):
+                counter.phase = "save"
+                step_id = m.save_outputs(
+                    hidden, {MM_KEY: mm}, num_tokens_unpadded=n, write_layout=layout
+                )
+                counter.phase = "own rows"
+                out = m.materialize(step_id, reqs)
+                counter.phase = "to device"
+                moved = {}
+                for key in keys:
+                    rows = out.hidden_states if key == HIDDEN_KEY else out.mm_outputs[key]
+                    assert rows is not None
+                    buffers: dict[int, torch.Tensor] = {}
+                    for t in rows.values():
+                        base = t if t._base is None else t._base
+                        buffers.setdefault(base.data_ptr(), base)
+                    # The caller's move: one copy per contiguous buffer (on the CPU, a copy).
+                    moved[key] = [b.to(device, copy=True) for b in buffers.values()]
+            sync_device(device)
+            # The rows came back right: each request's hit prefix, then its own rows.
+            for i, (req, prefix) in enumerate(zip(reqs, starts_on, strict=True)):
+                prefix = prefix if with_hits else None
+                assert out.hidden_states is not None
+                got = out.hidden_states[req]
+                mine = hidden[i * own_rows : (i + 1) * own_rows].cpu()
+                if prefix is None:
+                    assert torch.equal(got, mine), f"{req}: rows differ"
+                else:
+                    assert torch.equal(got[:hit_rows], warm[prefix][0].cpu()), f"{req}: hit rows"
+                    assert torch.equal(got[hit_rows:], mine), f"{req}: own rows differ"
+            del moved, out
+            reqs_hit = [r for r in reqs if r in hit_slots]
+            runs = sum(slot_runs(hit_slots[r]) for r in reqs_hit)
+            hit_block_count = sum(len(hit_slots[r]) // BLOCK_SIZE for r in reqs_hit)
+            if with_hits:
+                shape = (
+                    f"{requests} requests x {own_rows} rows, {len(reqs_hit)} starting on a "
+                    f"{hit_rows}-row hit ({hit_blocks} blocks): "
+                    f"{starts_on.count('contiguous')} on contiguous blocks (one run each), "
+                    f"{starts_on.count('scattered')} on scattered blocks "
+                    f"({slot_runs(hit_slots[reqs[3]])} runs each)"
+                )
+            else:
+                shape = f"{requests} requests x {own_rows} rows, no hit"
+            print(f"step {label!r}: {shape}; keys hidden ({WIDTH}) and {MM_KEY} ({MM_WIDTH})")
+            print_counts(counter, keys)
+            if with_hits:
+                gathers = {
+                    key: sum(
+                        c
+                        for (p, k, _), c in counter.counts.items()
+                        if p == "hit gather" and k == key
+                    )
+                    for key in keys
+                }
+                print(
+                    f"  hit gather: {gathers[HIDDEN_KEY]} ops for hidden, {gathers[MM_KEY]} for "
+                    f"{MM_KEY}: one index_select per hit request and key, whatever the layout "
+                    f"({len(reqs_hit)} hit requests);"
+                )
+                print(
+                    f"  a gather per contiguous slot run would launch {runs} copies per key, "
+                    f"a copy per block {hit_block_count}"
+                )
+            m.new_step_starts(
+                PrefixCacheStep(
+                    events=[PrefixCacheRequestEvent(req_id=r, kind=kind.FINISHED) for r in reqs],
+                    scheduled_tokens={},
+                )
+            )
+
+
+def print_counts(counter: CopyCounter, keys: list[str]) -> None:
+    """One line per phase: the row copies per key, the index ops, and the ops by name."""
+    phases = ("save", "pool write", "own rows", "hit gather", "to device")
+    columns = [SHORT.get(k, k) for k in keys]
+    print(f"  {'phase':11} " + " ".join(f"{k:>9}" for k in columns) + f" {'index':>6}  row ops")
+    for phase in phases:
+        per_key = [
+            sum(c for (p, k, _), c in counter.counts.items() if p == phase and k == key)
+            for key in keys
+        ]
+        index = sum(c for (p, k, _), c in counter.counts.items() if p == phase and k == "index")
+        ops: Counter[str] = Counter()
+        for (p, k, op), c in counter.counts.items():
+            if p == phase and k != "index":
+                ops[op] += c
+        names = ", ".join(f"{op} {c}" for op, c in sorted(ops.items())) or "-"
+        print(f"  {phase:11} " + " ".join(f"{c:9d}" for c in per_key) + f" {index:6d}  {names}")
+    other = {p for p, _, _ in counter.counts} - set(phases)
+    assert not other, f"ops outside the phases: {other}"
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> int:
@@ -184,6 +528,7 @@ def main() -> int:
         f"{stats.bytes_to_pool / 2**30:.2f} GiB, page waits {stats.page_waits}, "
         f"failed writes {stats.writes_failed}"
     )
+    count_copies(device)
     return 0
 
 

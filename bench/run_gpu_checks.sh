@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a machine with a CUDA device: the conformance suite (tests/gpu)
-# and the device-to-host step benchmark (bench/gpu_step.py). About 2 minutes; at most 8.
+# and the device-to-host step benchmark with its copies launched per step (bench/gpu_step.py).
+# About 2 minutes; at most 8.
 #
 # Installs nothing: it runs the machine's own python (PYTHON, default python3) with the torch,
 # attrs, numpy, pytest and hypothesis already there, and the packages from this checkout
