@@ -191,11 +191,13 @@ class EffectInterpreter:
 
     def commit(
         self, ctx: StepContext, step_job: WriteJob | None, slots: torch.Tensor
-    ) -> tuple[StepId, list[tuple[ReadRecord, Preserve]]]:
+    ) -> tuple[StepId, list[tuple[ReadRecord, Preserve]], list[StepContext]]:
         """Publish the pending save; register its jobs and context from the commit's effects.
 
-        Returns the step id and the preserves to run before the step's write is dispatched
-        (HIT-6); the save runs them outside the state lock (`preserve_rows`).
+        Returns the step id, the preserves to run before the step's write is dispatched
+        (HIT-6), and, when the step has a write, the other unconsumed steps whose rows are
+        read from the pool (D27), taken under the same lock; the save runs the preserves of
+        both outside the state lock (`preserve_rows`, `SavePath`).
         """
         state = self._state
         jobs = state.jobs
@@ -234,8 +236,13 @@ class EffectInterpreter:
             state.close_records(state.start_reads.difference(ctx.read_ids))
             state.start_reads = set()
             ctx.task_jobs = {tid: jobs[tid] for _, tids in reads for tid in tids if tid in jobs}
+            others = (
+                [other for other in state.open_pooled_steps() if other is not ctx]
+                if step_job is not None
+                else []
+            )
             state.steps[step_id] = ctx
-        return step_id, preserves
+        return step_id, preserves, others
 
     def _tombstone(self, effect: Tombstone) -> None:
         """SLOT-2, SPEC-3: the write must never put these rows in the pool (under the lock)."""

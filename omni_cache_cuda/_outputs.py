@@ -295,22 +295,24 @@ def classify(
 ) -> Classified:
     """Sort a step's outputs into immediate, deferred and leftover (OUT-1, OUT-2).
 
-    Only rows ``[:n]`` of a cached tensor are ever kept. With ``n == 0`` nothing is cached.
+    Only rows ``[:n]`` of a cached tensor are ever kept (a tensor of exactly ``n`` rows is
+    kept as it is: no view to make). With ``n == 0`` nothing is cached.
     """
     immediate: dict[TensorName, torch.Tensor] = {}
     deferred: dict[TensorName, torch.Tensor] = {}
     leftover: dict[str, Any] = {}
     if n and hidden is not None and policy.needs_full_hidden_states:
-        immediate[HIDDEN_KEY] = hidden[:n]
+        immediate[HIDDEN_KEY] = hidden if hidden.shape[0] == n else hidden[:n]
+    deferred_keys = policy.deferred_keys
     for name, value in mm.items():
         key = TensorName(name)
         cacheable = n > 0 and is_step_token_tensor(value, n, padded)
-        if key in policy.deferred_keys:
+        if key in deferred_keys:
             if cacheable:
-                deferred[key] = value[:n]
+                deferred[key] = value if value.shape[0] == n else value[:n]
             leftover[name] = value  # OUT-1: the step's own read takes it from the leftover too
         elif cacheable and not policy.skip_immediate_mm(key):
-            immediate[key] = value[:n]
+            immediate[key] = value if value.shape[0] == n else value[:n]
         else:
             leftover[name] = value
     return Classified(immediate, deferred, leftover)

@@ -101,14 +101,16 @@ class SavePath:
             parts = classify(hidden, mm or {}, n, padded, policy)
             cached = {**parts.immediate, **parts.deferred}
             shapes: dict[TensorName, KeyShape] = {}
+            known_shapes = self._pool.shapes
             for key, rows in cached.items():
                 # An early check: `install_keys` checks again under the lock (a reserve on
                 # another thread may install the key meanwhile).
-                known = self._pool.shapes.get(key)
+                known = known_shapes.get(key)
                 if known is None:
                     shapes[key] = KeyShape.of(rows)
                 else:
-                    known.check(key, rows)  # FAIL-5: a width or dtype change raises
+                    if rows.dtype != known.dtype or rows.shape[1:] != known.features:
+                        known.check(key, rows)  # FAIL-5: a width or dtype change raises
                     shapes[key] = known
         except BadInputError:
             # FAIL-1, FAIL-4: a failed or shut-down cache refuses every call with that error,
@@ -116,14 +118,17 @@ class SavePath:
             state.refuse_if_unusable("save_outputs")
             raise
         req_ids = cast(tuple[ReqId, ...], write_layout.req_ids)
-        bounds = np.array(write_layout.bounds, dtype=np.int64)
+        n_requests = len(req_ids)
+        bounds = np.fromiter(write_layout.bounds, dtype=np.int64, count=n_requests + 1)
         # STEP-3: engines refill one slot-mapping buffer every step, while this step's writes
         # and reads are still pending; the tables and the writes keep a private copy.
         slot_ids = write_layout.slots_cpu.clone() if n else torch.zeros(0, dtype=torch.int64)
         slots = slot_ids.numpy()
         deferred_bytes = sum(t.numel() * t.element_size() for t in parts.deferred.values())
-        immediate_bytes = sum(
-            t.numel() * t.element_size() for t in parts.immediate.values() if t.is_cuda
+        immediate_bytes = (
+            sum(t.numel() * t.element_size() for t in parts.immediate.values() if t.is_cuda)
+            if state.cuda
+            else 0
         )
         begin = SaveBegin(
             now_ns=time.monotonic_ns(),
@@ -144,7 +149,7 @@ class SavePath:
             page = self._effects.proceed()
             self._host_memory.install_keys(shapes, set(parts.immediate))
             ctx, step_job = self.stage(parts, n, page, write_layout, slot_ids)
-            step_id, preserves = self._effects.commit(ctx, step_job, slot_ids)
+            step_id, preserves, others = self._effects.commit(ctx, step_job, slot_ids)
         except BaseException:
             with state.lock:
                 state.core.save_abort(SaveAbort())
@@ -153,9 +158,10 @@ class SavePath:
         # HIT-6: preserve rows older reads planned on before the new write can land.
         for record, effect in preserves:
             self._effects.preserve_rows(record, effect)
-        if step_job is not None:
+        if step_job is not None and others:
             # D27: and the rows of unconsumed steps read from the pool (STEP-3).
-            self._preserve_open_steps(ctx, slots, step_job.keys)
+            self._preserve_open_steps(others, slots, step_job.keys)
+        if step_job is not None:
             if step_job.rows is not None:
                 self._write_now(ctx, step_job, slots)
             else:
@@ -166,16 +172,18 @@ class SavePath:
         return step_id
 
     def _preserve_open_steps(
-        self, ctx: StepContext, slots: npt.NDArray[np.int64], keys: tuple[TensorName, ...]
+        self,
+        others: list[StepContext],
+        slots: npt.NDArray[np.int64],
+        keys: tuple[TensorName, ...],
     ) -> None:
         """Copy unconsumed steps' pool-resident rows at ``slots`` aside before a write (D27).
 
-        Runs outside the state lock, before the new write is dispatched; a record its consume
-        closed already is skipped (its gathers are over), as `EffectInterpreter.preserve_rows`.
+        ``others`` are the open steps read from the pool other than the saved one, taken under
+        the state lock of the save's commit (`EffectInterpreter.commit`). Runs outside the
+        lock, before the new write is dispatched; a record its consume closed already is
+        skipped (its gathers are over), as `EffectInterpreter.preserve_rows`.
         """
-        state = self._state
-        with state.lock:
-            others = [other for other in state.open_pooled_steps() if other is not ctx]
         for other in others:
             hit: npt.NDArray[np.intp] | None = None
             for key in keys:
@@ -251,12 +259,13 @@ class SavePath:
                 what="hidden", expected="a tensor or None", got=type(hidden).__name__
             )
         rows = layout.num_rows
-        if (n and len(layout.slots_cpu) != n) or rows != n:
+        num_slots = layout.slots_cpu.shape[0]
+        if (n and num_slots != n) or rows != n:
             # OUT-3: fail at the cause; skipping rows would leave holes behind published hashes.
             raise BadInputError(
                 what="write layout",
                 expected=f"rows and slots covering the {n} unpadded tokens",
-                got=f"{rows} rows and {len(layout.slots_cpu)} slots",
+                got=f"{rows} rows and {num_slots} slots",
             )
         return n, padded
 

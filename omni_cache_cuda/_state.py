@@ -62,6 +62,11 @@ class ReadRecord:
         self.preserved: list[tuple[np.ndarray, torch.Tensor]] = []
 
 
+#: The slots of a step whose rows are in its page: none (shared, read-only).
+_NO_SLOTS = np.zeros(0, dtype=np.int64)
+_NO_SLOTS.flags.writeable = False
+
+
 class StepContext:
     """Everything a consume of one step reads, captured at save (STEP-3).
 
@@ -104,7 +109,7 @@ class StepContext:
         self.task_jobs: dict[Tid, WriteJob] = {}
         # D27: the step's slots (one per row) and a record per immediate key whose rows are
         # read from the pool; empty where the rows are in the page.
-        self.slots: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.slots: np.ndarray = _NO_SLOTS
         self.own: dict[TensorName, ReadRecord] = {}
 
 
