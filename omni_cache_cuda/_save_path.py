@@ -411,23 +411,33 @@ def writes_direct(threaded: bool, nbytes: int) -> bool:
     return not threaded or nbytes >= DIRECT_WRITE_MIN_BYTES
 
 
+#: Up to this many rows `_shadowed_rows` sorts the slots at once: cheaper than looking for runs.
+_SORT_CHECK_MAX_ROWS = 1024
+
+
 def _shadowed_rows(slots: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
     """Rows whose slot appears again later in the step: the pool keeps the later row (D27).
 
-    Slots come in runs of consecutive values (blocks); runs that do not overlap hold no slot
-    twice, which is checked without sorting every slot.
+    A long step's slots come in runs of consecutive values (blocks); runs that do not overlap
+    hold no slot twice, which is checked without sorting every slot. A short step (a decode
+    step: one slot per request, no runs) is checked by one plain sort; only a step that does
+    repeat a slot pays for the stable sort that finds which rows.
     """
     n = len(slots)
     if n < 2:
         return np.zeros(0, dtype=np.intp)
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-    if len(breaks) < n // 4:
-        starts = np.concatenate(([0], breaks))
-        lengths = np.diff(np.concatenate((starts, [n])))
-        low = slots[starts]
-        order = np.argsort(low, kind="stable")
-        if (low[order][1:] >= (low + lengths)[order][:-1]).all():
-            return np.zeros(0, dtype=np.intp)
+    if n > _SORT_CHECK_MAX_ROWS:
+        breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+        if len(breaks) < n // 4:
+            starts = np.concatenate(([0], breaks))
+            lengths = np.diff(np.concatenate((starts, [n])))
+            low = slots[starts]
+            order = np.argsort(low, kind="stable")
+            if (low[order][1:] >= (low + lengths)[order][:-1]).all():
+                return np.zeros(0, dtype=np.intp)
+    ordered = np.sort(slots)
+    if (ordered[1:] != ordered[:-1]).all():
+        return np.zeros(0, dtype=np.intp)
     order = np.argsort(slots, kind="stable")
     ordered = slots[order]
     return np.sort(order[:-1][ordered[1:] == ordered[:-1]])
