@@ -299,7 +299,7 @@ class Admissions:
                 expected="requests STARTED and not finished (D9)",
                 got=f"unknown requests {missing}",
             )
-        entries = np.fromiter((live[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        entries = np.fromiter(map(live.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
         if self._num_preempted and any_true(self.state[entries] == _PREEMPTED_CODE):
             preempted = sorted(r for r in unique if self.state[live[r]] == _PREEMPTED_CODE)[:4]
             raise BadInputError(
