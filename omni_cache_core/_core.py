@@ -584,8 +584,10 @@ class CacheCore(CoreQueries):
         block holding it is hashed.
         """
         drafts = self._drafts
-        steps, _, _ = drafts.where(np.array([entry], dtype=np.int64))
-        step = self._saved.get(StepId(int(steps[0]))) if steps[0] else None
+        step_id = drafts.step_of(entry)
+        if step_id is None:
+            return
+        step = self._saved.get(step_id)
         settled = drafts.settle_at_end(entry, step is not None and not step.consuming)
         if settled is None:
             return

@@ -280,6 +280,12 @@ class Drafts:
         """A consume reported these counts: a later one must agree (SPEC-2)."""
         self._reported[entries] = counts
 
+    def step_of(self, entry: int) -> StepId | None:
+        """The step whose drafts the entry waits on (orphaned or not), or None."""
+        if entry >= len(self._step) or not self._step[entry]:
+            return None
+        return StepId(int(self._step[entry]))
+
     def where(self, entries: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
         """Per entry with drafts waiting: its step id, layout index and first draft position."""
         return self._step[entries], self._index[entries], self._base[entries]
@@ -303,12 +309,13 @@ class Drafts:
         its count, or ``(-1, drafts' slots)`` when none did. Without a count the entry stays,
         orphaned, while its step is open (`step_open`: saved and not consumed), so that the
         step's consume may still report it."""
-        if entry >= len(self._step) or not self._step[entry] or self._orphan[entry]:
+        if self.step_of(entry) is None or self._orphan[entry]:
             return None
         ent = np.array([entry], dtype=np.int64)
         reported = int(self._reported[entry])
         if reported >= 0:
-            out = (reported - int(self._base[entry]), self._slots_of(ent, ent * 0 + reported))
+            first = np.array([reported], dtype=np.int64)
+            out = (reported - int(self._base[entry]), self._slots_of(ent, first))
             self._clear(ent)
             return out
         slots = self._slots_of(ent, self._base[ent])

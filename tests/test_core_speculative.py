@@ -270,3 +270,17 @@ def test_spec_1_a_step_without_drafts_has_no_tail_cut(make_core: MakeCore) -> No
     assert step is not None and step.valid is step.hi
     plan = consume(core, published.step_id, ["a", "b"])
     assert not plan.cut_tail and _rows_handed(plan) == [4, 4]
+
+
+def test_spec_5_an_end_of_a_request_whose_entry_never_drafted(make_core: MakeCore) -> None:
+    """Drafts wait for one request while another, admitted later (an entry past any that ever
+    drafted), ends: its end settles nothing and the waiting drafts stay (SPEC-5)."""
+    core = make_core(num_blocks=80, staging_capacity_tokens=80)
+    ids = [f"r{i}" for i in range(70)]
+    start(core, *(started(r) for r in ids))
+    consume(core, save(core, [(r, [4 * i]) for i, r in enumerate(ids)]).step_id)
+    drafted = save(core, [("r0", [1, 2])], drafts=[1])
+    start(core, finished("r69"))
+    assert core.counters.draft_rows_unconfirmed == 0
+    start(core, computed={"r0": 3})
+    assert positions(consume(core, drafted.step_id, ["r0"])) == [(1, 3)]
