@@ -621,8 +621,7 @@ class CacheCore(CoreQueries):
             rows = np.arange(n, dtype=np.int64)
             req_ids = list(step.req_ids)
         else:
-            index = {r: i for i, r in enumerate(step.req_ids)}
-            rows = np.fromiter((index.get(r, -1) for r in computed), np.int64, n)
+            rows = step.rows_of(computed)
             known = rows >= 0
             req_ids = [ReqId(r) for r, k in zip(computed, known.tolist(), strict=True) if k]
             rows, counts = rows[known], counts[known]

@@ -20,7 +20,7 @@ lifecycle does), plan reads, or hold pages: it names the page it was saved on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -108,9 +108,13 @@ class Step:
         the layout."""
         if requested == self.req_ids:
             return self.entries, self.lo, self.hi, self.valid
-        index = {r: i for i, r in enumerate(self.req_ids)}
-        at = np.fromiter((index[r] for r in requested), dtype=np.int64, count=len(requested))
+        at = self.rows_of(requested)
         return self.entries[at], self.lo[at], self.hi[at], self.valid[at]
+
+    def rows_of(self, req_ids: Iterable[ReqId]) -> Int64Array:
+        """Each request's index in the layout, -1 for one the step does not carry."""
+        index = {r: i for i, r in enumerate(self.req_ids)}
+        return np.fromiter((index.get(r, -1) for r in req_ids), dtype=np.int64)
 
 
 class Steps:
