@@ -3,7 +3,7 @@
 The shared machine this project is measured on changes speed by up to 2x from minute to minute,
 so two runs of `core_step.py` minutes apart cannot tell a 20 % change from the machine's swing.
 This script loads `omni_cache_core` from a git revision under another package name beside the
-working tree's, and runs the two versions' decode and prefill cycles (from `core_step.py`)
+working tree's, and runs the two versions' decode (same and shuffled row order) and prefill cycles (from `core_step.py`)
 interleaved round by round, so both see the same machine state. It prints each round's median
 per version and the median ratio (this tree / revision).
 
@@ -80,11 +80,13 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, bench in versions.items():
                 decode = bench.bench_decode(120)[20:]
+                shuffled = bench.bench_decode_shuffled(120)[20:]
                 prefill = bench.bench_prefill(40)[0][5:]
                 medians.setdefault((name, "decode"), []).append(statistics.median(decode) * 1e6)
+                medians.setdefault((name, "shuffled"), []).append(statistics.median(shuffled) * 1e6)
                 medians.setdefault((name, "prefill"), []).append(statistics.median(prefill) * 1e6)
     print(f"{'step':8} {'version':12} rounds' medians (us)")
-    for step in ("decode", "prefill"):
+    for step in ("decode", "shuffled", "prefill"):
         for name in versions:
             print(f"{step:8} {name:12} " + " ".join(f"{m:.0f}" for m in medians[(name, step)]))
         ratios = [

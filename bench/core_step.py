@@ -1,7 +1,8 @@
 """Cost of the pure core per step cycle (start, save, the writes landing, consume).
 
 Sizes: num_blocks=16384, block_size=16, two cached keys (hidden and one mm key).
-- decode: 256 requests x 1 token;
+- decode: 256 requests x 1 token, in the same row order every step;
+- decode, shuffled: the same, in a new row order every step (as `vllm_glue.py` drives it);
 - prefill: 16 requests x 512 tokens, half of them starting with a 256-token hit;
 - decode with drafts: 256 requests x (1 + 3 drafts), each start confirming the previous
   step's drafts with a seeded random acceptance (SPEC-2), that step consumed after it (as the
@@ -111,6 +112,33 @@ def bench_decode(steps: int) -> list[float]:
         slots = base + (pos % (blocks_per_req * BLOCK_SIZE))
         t0 = time.thread_time()
         cycle(core, step, reqs, bounds, slots)
+        times.append(time.thread_time() - t0)
+    core.check_invariants()
+    return times
+
+
+def bench_decode_shuffled(steps: int) -> list[float]:
+    """Decode as `bench_decode`, the layout's row order shuffled (seeded) at every step."""
+    config = PrefixCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    core = CacheCore(config)
+    reqs = [ReqId(f"d{i}") for i in range(256)]
+    span = 64 * BLOCK_SIZE  # 1024 positions each
+    start = PrefixCacheStep(
+        events=[PrefixCacheRequestEvent(req_id=r, kind=PrefixCacheEventKind.STARTED) for r in reqs]
+    )
+    core.start_step(StartStep(step=start, now_ns=0))
+    bounds = np.arange(257, dtype=np.int64)
+    base = np.arange(256, dtype=np.int64) * span
+    scheduled = {r: 1 for r in reqs}
+    rng = np.random.default_rng(0)
+    times = []
+    for pos in range(steps):
+        step = PrefixCacheStep(scheduled_tokens=scheduled)
+        order = rng.permutation(256)
+        layout = tuple(reqs[i] for i in order.tolist())
+        slots = base[order] + (pos % span)
+        t0 = time.thread_time()
+        cycle(core, step, layout, bounds, slots)
         times.append(time.thread_time() - t0)
     core.check_invariants()
     return times
@@ -241,17 +269,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     decode_rounds: list[list[float]] = []
+    shuffled_rounds: list[list[float]] = []
     drafts_rounds: list[list[float]] = []
     prefill_rounds: list[list[float]] = []
     meta_bytes = 0
     for _ in range(args.rounds):
         decode_rounds.append(bench_decode(args.steps)[20:])
+        shuffled_rounds.append(bench_decode_shuffled(args.steps)[20:])
         drafts_rounds.append(bench_decode_drafts(args.steps)[20:])
         prefill, meta_bytes = bench_prefill(args.steps // 4)
         prefill_rounds.append(prefill[5:])
     per_slot_key = meta_bytes / (NUM_BLOCKS * BLOCK_SIZE * len(KEYS))
     rows = [
         ("decode step (256 x 1)", decode_rounds, 150.0),
+        ("decode step, shuffled (256 x 1)", shuffled_rounds, 150.0),
         ("decode step, 3 drafts (256 x 4)", drafts_rounds, 150.0),
         ("prefill step (16 x 512, 8 hits)", prefill_rounds, 1000.0),
     ]
