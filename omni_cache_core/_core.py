@@ -264,14 +264,14 @@ class CacheCore(CoreQueries):
                 what="save_outputs", expected="one save at a time", got="a save in progress"
             )
         check_save_shape(inp, self._slots.num_slots)
-        unique, entries = self._requests.check_layout(inp.req_ids)
-        self._hits.check_layout(unique)
+        entries = self._requests.check_layout(inp.req_ids)
+        self._hits.check_layout(inp.req_ids)
         self._drafts.check_layout(inp.req_ids, entries)
         keys = self._key_sets.check(inp, self.policy)
         check_save_sizes(inp, self.config.staging_capacity_tokens)
         # D3, STEP-5: raise now, while nothing has changed, rather than halfway through the commit.
         self._writes.check_tid_room(inp)
-        self._save.begin(PendingSave(inp, unique, entries, keys))
+        self._save.begin(PendingSave(inp, entries, keys))
 
     def save_proceed(
         self, inp: SaveProceed
@@ -339,7 +339,6 @@ class CacheCore(CoreQueries):
                 step_id,
                 page,
                 sv.req_ids,
-                save.req_set,
                 bounds,
                 save.keys,
                 step_tid,

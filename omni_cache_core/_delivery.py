@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable
-from typing import Any, Final, cast
+from operator import itemgetter
+from typing import Any, Final, NoReturn, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -120,6 +121,7 @@ class Admissions:
         "_free",
         "_known_layout",
         "_num_preempted",
+        "_stamp",
         "computed",
         "cursor",
         "ended",
@@ -141,7 +143,9 @@ class Admissions:
         self._num_preempted = 0
         #: The last layout found distinct and running, with its entries, kept until a request
         #: ends or is preempted (a cache only: not part of the state).
-        self._known_layout: tuple[tuple[ReqId, ...], frozenset[ReqId], Int64Array] | None = None
+        self._known_layout: tuple[tuple[ReqId, ...], Int64Array] | None = None
+        #: Scratch for `_repeats`, one per entry; its values mean nothing between calls.
+        self._stamp: Int64Array = np.zeros(_INITIAL_ENTRIES, dtype=np.int64)
 
     # ---------------------------------------------------------------------------------------
     # Queries.
@@ -277,7 +281,7 @@ class Admissions:
         else:
             self._release_entry(entry)
 
-    def check_layout(self, req_ids: tuple[ReqId, ...]) -> tuple[frozenset[ReqId], Int64Array]:
+    def check_layout(self, req_ids: tuple[ReqId, ...]) -> Int64Array:
         """Check a save's requests are distinct and running (D9, LIFE-3); return their entries.
 
         Raises:
@@ -285,30 +289,63 @@ class Admissions:
         """
         known = self._known_layout
         if known is not None and req_ids == known[0]:
-            return known[1], known[2]  # decode steps repeat the layout: checked already
-        unique = frozenset(req_ids)
-        if len(unique) != len(req_ids):
-            raise BadInputError(
-                what="write layout requests", expected="distinct request ids", got="a repeat"
-            )
+            return known[1]  # decode steps repeat the layout: checked already
         live = self._entry_of
-        if not unique <= live.keys():
-            missing = sorted(unique - live.keys())[:4]
-            raise BadInputError(
-                what="write layout requests",
-                expected="requests STARTED and not finished (D9)",
-                got=f"unknown requests {missing}",
+        n = len(req_ids)
+        try:
+            # One pass over the ids: a request not live fails the lookup, and the distinct check
+            # runs on the int entries (two live requests never share one), not on the strings.
+            found: tuple[int, ...] | None = (
+                itemgetter(*req_ids)(live) if n > 1 else tuple(map(live.__getitem__, req_ids))
             )
-        entries = np.fromiter(map(live.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+        except KeyError:
+            found = None  # raised below, outside the handler: the error has no KeyError context
+        if found is None:
+            self._refuse_layout(req_ids)
+        entries = np.fromiter(found, np.int64, n)
+        if self._repeats(entries):
+            self._refuse_layout(req_ids)
         if self._num_preempted and any_true(self.state[entries] == _PREEMPTED_CODE):
-            preempted = sorted(r for r in unique if self.state[live[r]] == _PREEMPTED_CODE)[:4]
+            preempted = sorted(
+                r for r in frozenset(req_ids) if self.state[live[r]] == _PREEMPTED_CODE
+            )[:4]
             raise BadInputError(
                 what="write layout requests",
                 expected="running requests: a preempted request has no blocks (LIFE-3, D9)",
                 got=f"preempted requests {preempted}",
             )
-        self._known_layout = (req_ids, unique, entries)
-        return unique, entries
+        self._known_layout = (req_ids, entries)
+        return entries
+
+    def _repeats(self, entries: Int64Array) -> bool:
+        """Whether an entry appears twice: each row stamps its entry with its index, and a
+        repeated entry keeps only one of its rows' stamps."""
+        n = len(entries)
+        if n < 2:
+            return False
+        rows = np.arange(n, dtype=np.int64)
+        stamp = self._stamp
+        stamp[entries] = rows
+        same = stamp[entries] == rows
+        return not same[same.argmin()]
+
+    def _refuse_layout(self, req_ids: tuple[ReqId, ...]) -> NoReturn:
+        """Raise the error of a layout with a repeat or a request not live, a repeat first.
+
+        Raises:
+            BadInputError: Always.
+        """
+        unique = frozenset(req_ids)
+        if len(unique) != len(req_ids):
+            raise BadInputError(
+                what="write layout requests", expected="distinct request ids", got="a repeat"
+            )
+        missing = sorted(unique - self._entry_of.keys())[:4]
+        raise BadInputError(
+            what="write layout requests",
+            expected="requests STARTED and not finished (D9)",
+            got=f"unknown requests {missing}",
+        )
 
     # ---------------------------------------------------------------------------------------
     # Steps.
@@ -428,6 +465,7 @@ class Admissions:
         self.computed = np.concatenate([self.computed, np.zeros(size, dtype=np.int64)])
         self.cursor = np.concatenate([self.cursor, np.zeros(size, dtype=np.int64)])
         self.state = np.concatenate([self.state, np.zeros(size, dtype=np.int8)])
+        self._stamp = np.zeros(2 * size, dtype=np.int64)
         self._free.extend(range(2 * size - 1, size - 1, -1))
 
 

@@ -286,12 +286,15 @@ class HitReads:
     # -----------------------------------------------------------------------------------------
     # Saves.
 
-    def check_layout(self, unique: frozenset[ReqId]) -> None:
+    def check_layout(self, req_ids: tuple[ReqId, ...]) -> None:
         """D10, SPEC section 14: a save carries every pending hit and no lost one.
 
         Raises:
             BadInputError: It does not; nothing changes.
         """
+        if not self._lost_hits and not self._start_hits:
+            return  # the usual decode step: no set of the layout to build
+        unique = frozenset(req_ids)
         if self._lost_hits and not self._lost_hits.isdisjoint(unique):
             lost = sorted(self._lost_hits & unique)[:4]
             raise BadInputError(

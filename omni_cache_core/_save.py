@@ -34,7 +34,6 @@ import numpy.typing as npt
 from omni_cache_core._contract import (
     HIDDEN_KEY,
     ModelCachePolicy,
-    ReqId,
     StepId,
     TensorName,
     Tid,
@@ -134,18 +133,15 @@ class PendingSave:
         "keys",
         "page",
         "phase",
-        "req_set",
     )
 
     def __init__(
         self,
         inp: SaveBegin,
-        req_set: frozenset[ReqId],
         entries: npt.NDArray[np.int64],
         keys: tuple[TensorName, ...],
     ) -> None:
         self.inp = inp
-        self.req_set = req_set
         #: The layout's admission entries, in layout order.
         self.entries = entries
         #: The keys a consume of the step returns.

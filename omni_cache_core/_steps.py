@@ -48,6 +48,7 @@ class Step:
     """One saved step, as its save captured it (STEP-3), and its consume's progress."""
 
     __slots__ = (
+        "_req_set",
         "consume_deadline_ns",
         "consuming",
         "entries",
@@ -57,7 +58,6 @@ class Step:
         "lo",
         "page",
         "req_ids",
-        "req_set",
         "row_bounds",
         "step_id",
         "tid",
@@ -69,7 +69,6 @@ class Step:
         step_id: StepId,
         page: int,
         req_ids: tuple[ReqId, ...],
-        req_set: frozenset[ReqId],
         row_bounds: SlotArray,
         keys: tuple[TensorName, ...],
         tid: Tid | None,
@@ -81,7 +80,8 @@ class Step:
         self.step_id = step_id
         self.page = page
         self.req_ids = req_ids
-        self.req_set = req_set
+        # Built on first use: only a materialize of a subset of the layout asks (STEP-4).
+        self._req_set: frozenset[ReqId] | None = None
         self.row_bounds = row_bounds
         self.keys = keys
         self.tid = tid
@@ -100,6 +100,14 @@ class Step:
         #: While a materialize consumes it: the entries it delivered to, their cursors before
         #: and after (a failed build puts them back: D19).
         self.handed: tuple[Int64Array, ...] | None = None
+
+    @property
+    def req_set(self) -> frozenset[ReqId]:
+        """The layout's requests as a set."""
+        req_set = self._req_set
+        if req_set is None:
+            req_set = self._req_set = frozenset(self.req_ids)
+        return req_set
 
     def select(
         self, requested: tuple[ReqId, ...]
