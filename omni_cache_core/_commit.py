@@ -55,8 +55,12 @@ def claim_step(
             if sv.deferred_bytes:
                 writes.add_ticket(sv.deferred_bytes, deferred_tids)
                 tickets_left -= sv.deferred_bytes
-        emitted = {*sv.immediate_keys, *sv.deferred_keys}
-        absent = [key for key in tables.by_key if key not in emitted]
+        # Every key the save emits has its table, and its keys are distinct (`KeySets.check`):
+        # as many tables as keys means none is absent, the usual step once the keys are known.
+        absent: list[TensorName] = []
+        if len(tables.by_key) != len(sv.immediate_keys) + len(sv.deferred_keys):
+            emitted = {*sv.immediate_keys, *sv.deferred_keys}
+            absent = [key for key in tables.by_key if key not in emitted]
         if absent:
             # SLOT-4: the step's requests wrote nothing for these keys: explicit absence.
             _claim(absent, slots, ABSENT, busy, writes, tables, effects)

@@ -263,7 +263,7 @@ class CacheCore(CoreQueries):
             raise BadInputError(
                 what="save_outputs", expected="one save at a time", got="a save in progress"
             )
-        check_save_shape(inp, self._slots.num_slots)
+        rows = check_save_shape(inp, self._slots.num_slots)
         entries = self._requests.check_layout(inp.req_ids)
         self._hits.check_layout(inp.req_ids)
         self._drafts.check_layout(inp.req_ids, entries)
@@ -271,7 +271,7 @@ class CacheCore(CoreQueries):
         check_save_sizes(inp, self.config.staging_capacity_tokens)
         # D3, STEP-5: raise now, while nothing has changed, rather than halfway through the commit.
         self._writes.check_tid_room(inp)
-        self._save.begin(PendingSave(inp, entries, keys))
+        self._save.begin(PendingSave(inp, entries, rows, keys))
 
     def save_proceed(
         self, inp: SaveProceed
@@ -319,7 +319,7 @@ class CacheCore(CoreQueries):
         # DLV-1: each request's rows are the positions from its count on; a request that
         # registered a hit here carries the hit rows before them (the reads' planning says).
         bounds = sv.row_bounds
-        own, hi = self._requests.on_save(save.entries, bounds[1:] - bounds[:-1])
+        own, hi = self._requests.on_save(save.entries, save.rows)
         valid = None
         if sv.drafts is not None and any_true(sv.drafts > 0):
             valid = self._drafts.on_save(step_id, save.entries, hi, sv.drafts, bounds, sv.slots)

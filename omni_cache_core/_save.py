@@ -26,7 +26,7 @@ the core publishes a READY save.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -133,15 +133,19 @@ class PendingSave:
         "keys",
         "page",
         "phase",
+        "rows",
     )
 
     def __init__(
         self,
         inp: SaveBegin,
         entries: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int64],
         keys: tuple[TensorName, ...],
     ) -> None:
         self.inp = inp
+        #: Each request's row count, in layout order (`check_save_shape`).
+        self.rows = rows
         #: The layout's admission entries, in layout order.
         self.entries = entries
         #: The keys a consume of the step returns.
@@ -369,8 +373,11 @@ class SaveInProgress:
             raise InvariantError("a negative reservation")
 
 
-def check_save_shape(inp: SaveBegin, num_slots: int) -> None:
+def check_save_shape(inp: SaveBegin, num_slots: int) -> npt.NDArray[np.int64]:
     """OUT-3, FAIL-5: one slot per row, contiguous row ranges, slot ids in range.
+
+    Returns each request's row count (``row_bounds[i + 1] - row_bounds[i]``), which the commit
+    uses again (DLV-1).
 
     Raises:
         BadInputError: The layout is malformed; nothing changes.
@@ -384,30 +391,25 @@ def check_save_shape(inp: SaveBegin, num_slots: int) -> None:
             expected=f"one slot per unpadded token ({n})",
             got=f"{len(slots)} slots",
         )
-    if (
-        len(bounds) != len(inp.req_ids) + 1
-        or bounds[0] != 0
-        or bounds[-1] != n
-        or (len(bounds) > 2 and any_true(bounds[1:] < bounds[:-1]))
+    if len(bounds) != len(inp.req_ids) + 1 or bounds[0] != 0 or bounds[-1] != n:
+        _refuse_bounds(inp)
+    rows: npt.NDArray[np.int64] = bounds[1:] - bounds[:-1]
+    # argmin: a fraction of a comparison and its reduction on a decode step's few requests.
+    # Unsigned bounds wrap instead of going negative: those are compared.
+    if len(rows) > 1 and (
+        any_true(bounds[1:] < bounds[:-1]) if bounds.dtype.kind == "u" else rows[rows.argmin()] < 0
     ):
-        raise BadInputError(
-            what="write layout rows",
-            expected=f"contiguous row ranges from 0 to {n} in batch order",
-            got=f"bounds {bounds.tolist()[:8]}... for {len(inp.req_ids)} requests",
-        )
+        _refuse_bounds(inp)
     drafts = inp.drafts
     if drafts is not None and (
         len(drafts) != len(inp.req_ids)
-        or (
-            len(drafts)
-            and (drafts.min() < 0 or any_true(drafts >= np.maximum(bounds[1:] - bounds[:-1], 1)))
-        )
+        or (len(drafts) and (drafts.min() < 0 or any_true(drafts >= np.maximum(rows, 1))))
     ):
         raise BadInputError(
             what="draft rows",
             expected="per request a count in [0, rows): a request's first row is its confirmed "
             "token (SPEC-1)",
-            got=f"{drafts.tolist()[:8]} for rows {(bounds[1:] - bounds[:-1]).tolist()[:8]}",
+            got=f"{drafts.tolist()[:8]} for rows {rows.tolist()[:8]}",
         )
     # argmin/argmax: a fraction of min()/max()'s fixed cost on a decode step's few slots.
     if n and (slots[slots.argmin()] < 0 or slots[slots.argmax()] >= num_slots):
@@ -416,6 +418,20 @@ def check_save_shape(inp: SaveBegin, num_slots: int) -> None:
             expected=f"ids in [0, {num_slots})",
             got=f"ids in [{int(slots.min())}, {int(slots.max())}]",
         )
+    return rows
+
+
+def _refuse_bounds(inp: SaveBegin) -> NoReturn:
+    """Raise the error of row bounds that are not contiguous ranges from 0 to ``num_tokens``.
+
+    Raises:
+        BadInputError: Always.
+    """
+    raise BadInputError(
+        what="write layout rows",
+        expected=f"contiguous row ranges from 0 to {inp.num_tokens} in batch order",
+        got=f"bounds {inp.row_bounds.tolist()[:8]}... for {len(inp.req_ids)} requests",
+    )
 
 
 def check_save_sizes(inp: SaveBegin, capacity_tokens: int) -> None:
