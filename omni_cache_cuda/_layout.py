@@ -11,11 +11,26 @@ import torch
 
 from omni_cache_core import BadInputError
 
-__all__ = ["PrefixCacheWrite", "PrefixCacheWriteLayout", "decode_layout_from_table"]
+__all__ = [
+    "PrefixCacheWrite",
+    "PrefixCacheWriteLayout",
+    "decode_layout_from_rows",
+    "decode_layout_from_table",
+]
 
 # A request with at most this many scheduled tokens gets its slots from a plain loop; longer runs
 # use numpy (a decode step has hundreds of one-token requests; a prefill a few long ones).
 _LOOP_TOKENS = 16
+
+_RANGE: tuple[int, ...] = tuple(range(1025))
+
+
+def _unit_bounds(n: int) -> tuple[int, ...]:
+    """``tuple(range(n + 1))``, the bounds of n one-row requests, sliced from a kept tuple."""
+    global _RANGE
+    if n >= len(_RANGE):
+        _RANGE = tuple(range(2 * n + 1))
+    return _RANGE[: n + 1]
 
 
 @attrs.frozen
@@ -174,7 +189,7 @@ class PrefixCacheWriteLayout:
                     slots = np.asarray(table, dtype=np.int64) * block_size
                     slots += np.asarray(computed, dtype=np.int64) % block_size
                     return cls._from_bounds(
-                        req_ids, tuple(range(len(req_ids) + 1)), torch.from_numpy(slots)
+                        req_ids, _unit_bounds(len(req_ids)), torch.from_numpy(slots)
                     )
             except (KeyError, IndexError):
                 pass
@@ -261,8 +276,37 @@ def decode_layout_from_table(
     slots = blocks.astype(np.int64) * block_size
     slots += computed % block_size
     req_ids = order if isinstance(order, tuple) else tuple(order)
+    return PrefixCacheWriteLayout._from_bounds(req_ids, _unit_bounds(n), torch.from_numpy(slots))
+
+
+def decode_layout_from_rows(
+    order: Sequence[str],
+    rows: np.ndarray,
+    starts: np.ndarray,
+    table: np.ndarray,
+    block_size: int,
+) -> PrefixCacheWriteLayout | None:
+    """A decode step's layout from its requests' table rows and starts; None if out of blocks.
+
+    Request ``order[i]`` has one token, at position ``starts[i]`` (int64, >= 0), and its block
+    list is the leading entries of ``table[rows[i]]``, -1 after them: the caller has checked
+    that ``order`` is the step's requests, each once. The layout is the one
+    `PrefixCacheWriteLayout.from_block_tables` builds from the same lists; None when a position
+    falls outside its request's blocks (a -1 or past the table), where that one names it.
+    """
+    columns, offsets = np.divmod(starts, block_size)
+    try:
+        blocks = table[rows, columns]
+    except IndexError:
+        return None
+    if np.count_nonzero(blocks < 0):
+        return None
+    slots = blocks.astype(np.int64)
+    slots *= block_size
+    slots += offsets
+    req_ids = order if isinstance(order, tuple) else tuple(order)
     return PrefixCacheWriteLayout._from_bounds(
-        req_ids, tuple(range(n + 1)), torch.from_numpy(slots)
+        req_ids, _unit_bounds(len(req_ids)), torch.from_numpy(slots)
     )
 
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from omni_cache_core import BadInputError
-from omni_cache_cuda import PrefixCacheWriteLayout
-from omni_cache_cuda._layout import decode_layout_from_table
+from omni_cache_cuda import OmniPrefixCacheManager, PrefixCacheConfig, PrefixCacheWriteLayout
+from omni_cache_cuda._layout import decode_layout_from_rows, decode_layout_from_table
+from omni_cache_cuda.vllm import VllmPrefixCache
 from omni_cache_cuda.vllm._scheduler_output import TranslationState
 
 BS = 4
@@ -180,3 +181,183 @@ def test_block_ids_the_table_cannot_hold_leave_the_lists_in_charge() -> None:
     layout = PrefixCacheWriteLayout.from_block_tables(["a"], {"a": 1}, {"a": 2}, state.running, BS)
     assert layout.slots_cpu.tolist() == [big * BS + 2]
     assert np.int64(layout.slots_cpu[0]) == big * BS + 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode step's fast path: the runner's order checked and laid out from arrays.
+
+
+def fast_and_general(
+    state: TranslationState, step: Any, order: list[str]
+) -> tuple[PrefixCacheWriteLayout | None, PrefixCacheWriteLayout]:
+    """The fast path's layout (None if it refuses the order) and the general one."""
+    general = PrefixCacheWriteLayout.from_block_tables(
+        order, step.scheduled, step.starts, state.running, BS
+    )
+    found = state.decode_rows(order, step.decode)
+    if found is None:
+        return None, general
+    return decode_layout_from_rows(order, *found, state.table, BS), general
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_decode_fast_path_lays_out_what_the_general_path_does(seed: int) -> None:
+    """Random decode steps (some adding blocks, some with requests finishing, joining steps
+    between them), each laid out in a shuffled order, in the previous order again and in the
+    scheduler's own order: the fast path's layout is `from_block_tables`'s, slot for slot
+    (SPEC section 3), and it takes every pure decode step."""
+    rng = random.Random(seed)
+    state = TranslationState(kv_group=0, max_concurrent_batches=1)
+    next_block = iter(range(10**6))
+    live: dict[str, list[Any]] = {}
+    counter = 0
+    fast_steps = 0
+    previous: list[str] = []
+    for s in range(50):
+        finished = set(rng.sample(sorted(live), k=min(len(live), rng.randrange(3))))
+        new: list[tuple[str, list[int], int]] = []
+        sched: dict[str, int] = {}
+        if s % 7 == 0:
+            for _ in range(rng.randrange(2, 30)):
+                counter += 1
+                rid, tokens = f"r{counter}", rng.choice([1, 5, 40, 600])
+                new.append((rid, [next(next_block) for _ in range(tokens // BS + 1)], 0))
+                sched[rid] = tokens
+        cached: list[tuple[str, list[int] | None, int]] = []
+        running = [r for r in live if r not in finished]
+        rng.shuffle(running)
+        for rid in running:
+            computed, blocks = live[rid]
+            added = [next(next_block)] if computed // BS >= len(blocks) else None
+            cached.append((rid, added, computed))
+            sched[rid] = 1
+        step = state.translate(output(sched, new, cached, finished, set(), set()))
+        state.commit(step, sched)
+        for rid in finished:
+            live.pop(rid)
+        for rid, blocks, computed in new:
+            live[rid] = [computed, list(blocks)]
+        for rid, added, _ in cached:
+            if added:
+                live[rid][1].extend(added)
+        pure = not new and len(cached) >= 2
+        assert (step.decode is not None) == pure
+        if pure:
+            fast_steps += 1
+            shuffled = list(sched)
+            rng.shuffle(shuffled)
+            for order in (shuffled, list(shuffled), list(sched), previous):
+                if order is previous and sorted(previous) != sorted(sched):
+                    # Last step's order, not this step's requests: refused.
+                    assert state.decode_rows(order, step.decode) is None
+                    continue
+                fast, general = fast_and_general(state, step, order)
+                assert fast is not None
+                assert fast.req_ids == general.req_ids == tuple(order)
+                assert fast.bounds == general.bounds
+                assert torch.equal(fast.slots_cpu, general.slots_cpu)
+            previous = shuffled
+        for rid in sched:
+            live[rid][0] += sched[rid]
+    assert fast_steps >= 20
+
+
+def decode_cache() -> VllmPrefixCache:
+    """A glue over a CPU manager with requests a, b, c and d running, one decode step open."""
+    manager = OmniPrefixCacheManager(
+        PrefixCacheConfig(num_blocks=64, block_size=BS), device="cpu", threaded=False
+    )
+    cache = VllmPrefixCache(manager, block_size=BS)
+    ids = ["a", "b", "c", "d", "e"]
+    cache.step_begin(
+        output(
+            {r: 3 for r in ids},
+            [(r, [2 * i, 2 * i + 1], 0) for i, r in enumerate(ids)],
+            [],
+            set(),
+            set(),
+            set(),
+        )
+    )
+    cache.discard_step(cache.save(torch.zeros(15, 2), None, req_ids=ids, num_tokens_unpadded=15))
+    # e is running but not scheduled in the decode step.
+    cache.step_begin(
+        output(dict.fromkeys("abcd", 1), [], [(r, None, 3) for r in "abcd"], set(), set(), set())
+    )
+    assert cache._open_step is not None and cache._open_step.decode is not None
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("rule", "order"),
+    [
+        ("an id twice", ["a", "b", "c", "c"]),
+        ("an id twice, one missing", ["a", "a", "b", "c"]),
+        ("an id the cache never saw", ["a", "b", "c", "zz"]),
+        ("a running id not scheduled in this step", ["a", "b", "c", "e"]),
+        ("a scheduled id missing", ["a", "b", "c"]),
+        ("one id too many", ["a", "b", "c", "d", "e"]),
+    ],
+)
+def test_a_decode_save_refuses_an_order_that_is_not_its_requests_each_once(
+    rule: str, order: list[str]
+) -> None:
+    """The fast path proves the runner's order is the step's requests, each once; any other
+    order gets the save's own refusal (BadInputError on "save req_ids"), nothing saved, and
+    the right order is saved after it with the general path's layout."""
+    with decode_cache() as cache:
+        with pytest.raises(BadInputError, match="save req_ids"):
+            cache.save(torch.zeros(4, 2), None, req_ids=order, num_tokens_unpadded=4)
+        right = ["d", "b", "a", "c"]
+        assert cache._open_step is not None
+        assert cache._decode_layout(cache._open_step, right) is not None  # the fast path's
+        layout = cache.layout(right)
+        general = PrefixCacheWriteLayout.from_block_tables(
+            right,
+            dict.fromkeys("abcd", 1),
+            dict.fromkeys("abcd", 3),
+            cache._translation.running,
+            BS,
+        )
+        assert torch.equal(layout.slots_cpu, general.slots_cpu), rule
+        cache.discard_step(
+            cache.save(torch.zeros(4, 2), None, req_ids=right, num_tokens_unpadded=4)
+        )
+
+
+def test_a_stray_cached_id_in_a_decode_step_is_named_and_the_open_step_kept() -> None:
+    """A cached id the cache does not track as running (never seen, or finishing in the same
+    step) is refused by name as before, with nothing changed; the decode step still open
+    saves with its own starts, and a cached list with a repeat takes the general path."""
+    with decode_cache() as cache:
+        translation = cache._translation
+        running = {r: list(b) for r, b in translation.running.items()}
+        for cached, finished in (
+            ([("a", None, 4), ("zz", None, 0)], set()),
+            ([("a", None, 4), ("b", None, 4)], {"b"}),
+        ):
+            stray = cached[1][0]
+            with pytest.raises(BadInputError, match=f"scheduled_cached_reqs \\['{stray}'\\]"):
+                cache.step_begin(output({"a": 1, stray: 1}, [], cached, finished, set(), set()))
+            assert translation.running == running
+        order = ["c", "a", "d", "b"]
+        assert cache._open_step is not None
+        assert cache._decode_layout(cache._open_step, order) is not None
+        layout = cache.layout(order)
+        assert layout.slots_cpu.tolist() == [running[r][3 // BS] * BS + 3 % BS for r in order]
+        cache.discard_step(
+            cache.save(torch.zeros(4, 2), None, req_ids=order, num_tokens_unpadded=4)
+        )
+        # A repeat in the scheduler's cached list: accepted as before, no fast layout.
+        cache.step_begin(
+            output(
+                dict.fromkeys("ab", 1),
+                [],
+                [("a", None, 4), ("b", None, 4), ("a", None, 4)],
+                set(),
+                set(),
+                set(),
+            )
+        )
+        assert cache._open_step is not None and cache._open_step.decode is None
+        assert cache.layout(["b", "a"]).slots_cpu.tolist() == [running[r][1] * BS for r in "ba"]

@@ -123,7 +123,7 @@ from omni_cache_cuda import (
     StageCacheOutputs,
     StepId,
 )
-from omni_cache_cuda._layout import decode_layout_from_table
+from omni_cache_cuda._layout import decode_layout_from_rows, decode_layout_from_table
 from omni_cache_cuda.vllm import _config_checks as checks
 from omni_cache_cuda.vllm._scheduler_output import (
     RequestIdReuseError,
@@ -195,14 +195,19 @@ def should_build_prefix_cache(
 class _OpenStep:
     """The step `step_begin` opened and no save has closed yet: what its layout reads."""
 
-    __slots__ = ("drafts", "scheduled", "starts")
+    __slots__ = ("decode", "drafts", "scheduled", "translated")
 
-    def __init__(
-        self, scheduled: Mapping[str, int], starts: Mapping[str, int], drafts: dict[str, int]
-    ) -> None:
+    def __init__(self, scheduled: Mapping[str, int], translated: StepTranslation) -> None:
         self.scheduled = scheduled  # tokens per scheduled request (the step's own copy)
-        self.starts = starts  # where each scheduled request's tokens start
-        self.drafts = drafts  # draft tokens per request with any (SPEC-1)
+        self.translated = translated
+        self.drafts = translated.drafts  # draft tokens per request with any (SPEC-1)
+        # A decode step's rows and starts as arrays (`StepTranslation.decode`), or None.
+        self.decode = translated.decode
+
+    @property
+    def starts(self) -> Mapping[str, int]:
+        """Where each scheduled request's tokens start (a dict built on first read)."""
+        return self.translated.starts
 
 
 class VllmPrefixCache:
@@ -453,7 +458,7 @@ class VllmPrefixCache:
         # The cache took the records: the translation state follows them. The step's own copy
         # of the scheduled counts is what its save and the reuse check read.
         self._translation.commit(translated, step.scheduled_tokens)
-        self._open_step = _OpenStep(step.scheduled_tokens, translated.starts, translated.drafts)
+        self._open_step = _OpenStep(step.scheduled_tokens, translated)
         self._count(translated)
         new = getattr(scheduler_output, "scheduled_new_reqs", None)
         if new:
@@ -507,20 +512,24 @@ class VllmPrefixCache:
             OmniPrefixCacheUnmatchError: Any other error of
                 `OmniPrefixCacheManager.save_outputs`, as it says.
         """
-        sched = self._current_step("save").scheduled
-        if (
-            isinstance(req_ids, str)
-            or len(req_ids) != len(sched)
-            or len(distinct := set(req_ids)) != len(sched)
-            or not sched.keys() >= distinct
-        ):
-            raise BadInputError(
-                what="save req_ids",
-                expected=f"the {len(sched)} requests scheduled in this step, each once",
-                got=f"{len(req_ids)} ids" if not isinstance(req_ids, str) else "a str",
-            )
-        layout = self.layout(req_ids)
-        drafts = self._open_step.drafts if self._open_step is not None else {}
+        open_step = self._current_step("save")
+        # A decode step's layout proves on its way that req_ids are the scheduled requests.
+        layout = self._decode_layout(open_step, req_ids)
+        if layout is None:
+            sched = open_step.scheduled
+            if (
+                isinstance(req_ids, str)
+                or len(req_ids) != len(sched)
+                or len(distinct := set(req_ids)) != len(sched)
+                or not sched.keys() >= distinct
+            ):
+                raise BadInputError(
+                    what="save req_ids",
+                    expected=f"the {len(sched)} requests scheduled in this step, each once",
+                    got=f"{len(req_ids)} ids" if not isinstance(req_ids, str) else "a str",
+                )
+            layout = self._general_layout(open_step, req_ids)
+        drafts = open_step.drafts
         step_id = self.manager.save_outputs(
             hidden,
             mm,
@@ -543,6 +552,28 @@ class VllmPrefixCache:
     def layout(self, req_ids: Sequence[str]) -> PrefixCacheWriteLayout:
         """The write layout `save` would use for the current step (for inspection and tests)."""
         step = self._current_step("layout")
+        layout = self._decode_layout(step, req_ids)
+        return self._general_layout(step, req_ids) if layout is None else layout
+
+    def _decode_layout(
+        self, step: _OpenStep, req_ids: Sequence[str]
+    ) -> PrefixCacheWriteLayout | None:
+        """A decode step's layout, when ``req_ids`` are its requests each once; else None.
+
+        The runner's order is looked up once (its table rows); marking those rows must mark
+        every row of the step's requests, and their starts and blocks come from arrays
+        (`TranslationState.decode_rows`). None: the general path checks and builds.
+        """
+        if step.decode is None:
+            return None
+        translation = self._translation
+        found = translation.decode_rows(req_ids, step.decode)
+        if found is None:
+            return None
+        return decode_layout_from_rows(req_ids, *found, translation.table, self.block_size)
+
+    def _general_layout(self, step: _OpenStep, req_ids: Sequence[str]) -> PrefixCacheWriteLayout:
+        """The layout from the step's mappings: any step, and the errors that name the cause."""
         translation = self._translation
         if translation.table_ok:
             # A decode step (one token each) reads the block lists kept as one array.

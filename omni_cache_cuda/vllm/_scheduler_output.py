@@ -30,6 +30,7 @@ each scheduled request, so it lives in the step's translation only.
 from __future__ import annotations
 
 import collections
+import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import compress
 from typing import Any, ClassVar
@@ -82,7 +83,12 @@ class StepTranslation:
         preempting: Requests preempted by this step.
         joining: Requests starting or resuming in this step -> a copy of their block list.
         extending: Running requests and the block ids this step adds to their lists.
-        starts: Where each scheduled request's tokens of this step start.
+        starts: Where each scheduled request's tokens of this step start (a dict, the cached
+            requests' entries merged in on first read: a decode step's layout reads arrays).
+        decode: In a decode step (no request joins, the scheduled requests are exactly the
+            cached ones, each once with one token, none has drafts), the requests' table rows
+            and starts as arrays, in the scheduler's order, for `TranslationState.decode_rows`;
+            else None.
         drafts: Requests with draft tokens in this step and how many (the last of their
             scheduled tokens: SPEC-1).
         computed: Computed-token counts of the requests whose earlier drafts this step
@@ -92,7 +98,10 @@ class StepTranslation:
     """
 
     __slots__ = (
+        "_cached_starts",
+        "_starts",
         "computed",
+        "decode",
         "drafts",
         "ended",
         "events",
@@ -103,7 +112,6 @@ class StepTranslation:
         "resumed_with_hit",
         "scheduled",
         "started_with_hit",
-        "starts",
     )
 
     def __init__(self, scheduled: Mapping[str, int]) -> None:
@@ -113,12 +121,24 @@ class StepTranslation:
         self.preempting: list[str] = []
         self.joining: dict[str, list[int]] = {}
         self.extending: list[tuple[str, Sequence[int]]] = []
-        self.starts: dict[str, int] = {}
+        self._starts: dict[str, int] = {}
+        #: The cached requests' ids and starts, parallel, merged into ``starts`` when read.
+        self._cached_starts: tuple[Sequence[str], Sequence[int]] | None = None
+        self.decode: tuple[np.ndarray, np.ndarray] | None = None
         self.drafts: dict[str, int] = {}
         self.computed: dict[str, int] = {}
         self.resumed = 0
         self.started_with_hit = 0
         self.resumed_with_hit = 0
+
+    @property
+    def starts(self) -> dict[str, int]:
+        """Where each scheduled request's tokens of this step start."""
+        pending = self._cached_starts
+        if pending is not None:
+            self._cached_starts = None
+            self._starts.update(zip(pending[0], pending[1], strict=True))
+        return self._starts
 
     def join(self, req_id: str, kind: PrefixCacheEventKind, hit: int, blocks: list[int]) -> None:
         """Record a request that starts or resumes in this step, with its hit and blocks."""
@@ -138,7 +158,7 @@ class StepTranslation:
             )
         )
         self.joining[req_id] = blocks
-        self.starts[req_id] = hit
+        self._starts[req_id] = hit
         if kind is _RESUMED:
             self.resumed += 1
             self.resumed_with_hit += hit > 0
@@ -149,18 +169,18 @@ class StepTranslation:
 class _CachedRequests:
     """``scheduled_cached_reqs`` read once, its parallel lists checked to line up."""
 
-    __slots__ = ("computed", "new_block_ids", "req_id_set", "req_ids", "resumed_ids")
+    __slots__ = ("_id_set", "computed", "new_block_ids", "req_ids", "resumed_ids")
 
     def __init__(self, cached: Any) -> None:
         self.req_ids: Sequence[str] = cached.req_ids
         self.new_block_ids: Sequence[Any] = cached.new_block_ids
         self.computed: Sequence[int] = cached.num_computed_tokens
         self.resumed_ids: Collection[str] = cached.resumed_req_ids or ()
-        # Built once: a decode step lists every running request here.
-        self.req_id_set = set(self.req_ids)
+        # Built on first use: a decode step's fast path reads no set of the ids.
+        self._id_set: set[str] | None = None
         lengths = (len(self.req_ids), len(self.new_block_ids), len(self.computed))
-        if not lengths[0] == lengths[1] == lengths[2] or not self.req_id_set.issuperset(
-            self.resumed_ids
+        if not lengths[0] == lengths[1] == lengths[2] or (
+            self.resumed_ids and not self.req_id_set.issuperset(self.resumed_ids)
         ):
             raise BadInputError(
                 what="scheduled_cached_reqs",
@@ -169,6 +189,13 @@ class _CachedRequests:
                 got=f"lengths {lengths[0]}, {lengths[1]}, {lengths[2]} and "
                 f"{len(self.resumed_ids)} resumed",
             )
+
+    @property
+    def req_id_set(self) -> set[str]:
+        """The cached request ids as a set (built once)."""
+        if self._id_set is None:
+            self._id_set = set(self.req_ids)
+        return self._id_set
 
 
 class TranslationState:
@@ -207,6 +234,17 @@ class TranslationState:
         #: layout then reads the lists only.
         self.table_ok = True
         self._free_rows: list[int] = list(range(63, -1, -1))
+        # Scratch per row of ``table``: marks (a fresh number per check), positions (of the
+        # repeat check) and starts (a decode step's, put in the runner's order).
+        self._row_mark = np.zeros(64, dtype=np.int64)
+        self._row_pos = np.zeros(64, dtype=np.intp)
+        self._row_start = np.zeros(64, dtype=np.int64)
+        self._mark = 0
+        # Per `rows_of` memo slot, the last id list looked up and its rows (the scheduler's and
+        # the runner's orders mostly stay put between steps). Any change of ``table_rows``
+        # drops them.
+        self._memo: dict[str, tuple[list[str], np.ndarray]] = {}
+        self._aranges: dict[int, np.ndarray] = {}
 
     def translate(self, scheduler_output: Any) -> StepTranslation:
         """Read a step's scheduler output into its records; change nothing.
@@ -268,6 +306,7 @@ class TranslationState:
 
     def _set_row(self, req_id: str, blocks: Sequence[int]) -> None:
         """Write a joining request's block list into its row of the table."""
+        self._memo.clear()
         row = self.table_rows.get(req_id)
         if row is None:
             if not self._free_rows:
@@ -285,6 +324,7 @@ class TranslationState:
         """Give an ended or preempted request's row back, its entries unused again."""
         row = self.table_rows.pop(req_id, None)
         if row is not None:
+            self._memo.clear()
             self.table[row, : self.table_lens[row]] = -1
             self.table_lens[row] = 0
             self._free_rows.append(row)
@@ -318,6 +358,9 @@ class TranslationState:
         if new_rows > old_rows:
             self.table_lens.extend([0] * (new_rows - old_rows))
             self._free_rows.extend(range(new_rows - 1, old_rows - 1, -1))
+            self._row_mark = np.zeros(new_rows, dtype=np.int64)
+            self._row_pos = np.zeros(new_rows, dtype=np.intp)
+            self._row_start = np.zeros(new_rows, dtype=np.int64)
 
     # -----------------------------------------------------------------------------------------
     # The parts of a scheduler output, in the order their records go to the cache.
@@ -358,21 +401,22 @@ class TranslationState:
     def _cached(self, cached: _CachedRequests, step: StepTranslation) -> None:
         """Check the other cached requests are running; plan their added blocks and starts."""
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
-        # Every other cached request must be running here, and stay so through this step.
-        running = (
-            cached.req_id_set.difference(cached.resumed_ids)
-            if cached.resumed_ids
-            else cached.req_id_set
-        )
-        leaving = set(step.ended).union(step.preempting)
-        # A keys view compared with a set looks each id up; set.issubset would copy the keys.
-        if not self.running.keys() >= running or (leaving and not running.isdisjoint(leaving)):
-            stray = sorted(r for r in running if r not in self.running or r in leaving)
-            raise BadInputError(
-                what=f"scheduled_cached_reqs {stray[:5]}",
-                expected="requests this cache saw start or resume and that are still running",
-                got="requests it does not track as running",
+        if not self._cached_by_rows(cached, step):
+            # Every other cached request must be running here, and stay so through this step.
+            running = (
+                cached.req_id_set.difference(cached.resumed_ids)
+                if cached.resumed_ids
+                else cached.req_id_set
             )
+            leaving = set(step.ended).union(step.preempting)
+            # A keys view compared with a set looks each id up; set.issubset would copy the keys.
+            if not self.running.keys() >= running or (leaving and not running.isdisjoint(leaving)):
+                stray = sorted(r for r in running if r not in self.running or r in leaving)
+                raise BadInputError(
+                    what=f"scheduled_cached_reqs {stray[:5]}",
+                    expected="requests this cache saw start or resume and that are still running",
+                    got="requests it does not track as running",
+                )
         if any(new_block_ids):
             pairs: Iterable[tuple[str, Any]] = zip(req_ids, new_block_ids, strict=True)
             if isinstance(new_block_ids, list):
@@ -384,13 +428,127 @@ class TranslationState:
                 )
                 if len(picked) == len(new_block_ids) - new_block_ids.count(None):
                     pairs = picked
+                    if not step.joining:
+                        kv = self.kv_group
+                        try:
+                            step.extending = [(r, added[kv]) for r, added in picked]
+                            pairs = ()
+                        except (IndexError, TypeError):
+                            pass  # the loop names the request
             for req_id, added in pairs:
                 if added is not None and req_id not in step.joining:
                     step.extending.append((req_id, self._group_blocks(req_id, added)))
-        step.starts.update(zip(req_ids, cached.computed, strict=True))
+        # Merged into the step's starts when read (copied: the caller's lists may change).
+        step._cached_starts = (list(req_ids), list(cached.computed))
         if self.unconfirmed:
             # SPEC-2: vLLM lowered these counts by the rejected drafts of the last step.
-            step.computed = {r: step.starts[r] for r in running if r in self.unconfirmed}
+            running = cached.req_id_set.difference(cached.resumed_ids)
+            starts = step.starts
+            step.computed = {r: starts[r] for r in running if r in self.unconfirmed}
+
+    def _cached_by_rows(self, cached: _CachedRequests, step: StepTranslation) -> bool:
+        """The running check of `_cached` from the requests' table rows, one lookup each.
+
+        True when every cached request has a row (it is running: the table's rows are the
+        running requests while ``table_ok``), none repeats and none leaves in this step. In a
+        decode step it also sets `StepTranslation.decode`. False: the set-based check
+        decides, and names what is wrong. Only scratch arrays change.
+        """
+        req_ids = cached.req_ids
+        n = len(req_ids)
+        if not self.table_ok or cached.resumed_ids or n < 2:
+            return False
+        rows = self.rows_of(req_ids, "cached", distinct=True)
+        if rows is None:
+            return False
+        if step.ended or step.preempting:
+            mark = self._next_mark()
+            self._row_mark[rows] = mark
+            table_rows, row_mark = self.table_rows, self._row_mark
+            for req_id in (*step.ended, *step.preempting):
+                row = table_rows.get(req_id)
+                if row is not None and row_mark[row] == mark:
+                    return False
+        sched = step.scheduled
+        if step.joining or step.drafts or type(sched) is not dict or len(sched) != n:
+            return True
+        try:
+            # Every cached request is scheduled with one token (1 or True, as the layouts
+            # read them); with as many scheduled requests, they are all of them. vLLM lists
+            # both in its running order: then one compare says the keys are the same.
+            if list(sched) == req_ids:
+                counts: Sequence[int] = list(sched.values())
+            else:
+                counts = operator.itemgetter(*req_ids)(sched)
+            if counts.count(1) != n:
+                return True
+            starts = np.fromiter(cached.computed, dtype=np.int64, count=n)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return True
+        if not np.count_nonzero(starts < 0):
+            step.decode = (rows, starts)
+        return True
+
+    def rows_of(self, req_ids: Sequence[str], memo: str, *, distinct: bool) -> np.ndarray | None:
+        """The table rows of ``req_ids``, or None if one has no row (or, if ``distinct``,
+        one repeats).
+
+        ``memo`` names a slot keeping the last list looked up and its rows, so the same list
+        again (the scheduler's and the runner's orders mostly stay put) costs one compare.
+        """
+        kept = self._memo.get(memo)
+        if kept is not None and type(req_ids) is list and kept[0] == req_ids:
+            return kept[1]
+        n = len(req_ids)
+        try:
+            # One lookup per id in C (n >= 2: the getter returns a tuple).
+            found = operator.itemgetter(*req_ids)(self.table_rows) if n > 1 else ()
+            rows = np.fromiter(found, dtype=np.intp, count=n)
+        except (KeyError, TypeError, ValueError):
+            return None
+        if distinct:
+            positions = self._aranges.get(n)
+            if positions is None:
+                if len(self._aranges) > 64:
+                    self._aranges.clear()
+                positions = self._aranges[n] = np.arange(n, dtype=np.intp)
+            # Each row takes its position; a repeated row keeps only one of them.
+            scratch = self._row_pos
+            scratch[rows] = positions
+            if np.count_nonzero(scratch[rows] != positions):
+                return None
+        if type(req_ids) is list:
+            self._memo[memo] = (list(req_ids), rows)
+        return rows
+
+    def decode_rows(
+        self, order: Sequence[str], decode: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The table rows and starts of a decode step's requests in the runner's ``order``.
+
+        ``decode`` is the step's `StepTranslation.decode`: its requests' distinct rows and
+        their starts. Not None proves ``order`` is those requests, each once: as many ids,
+        each with a row, and together they mark every one of the step's rows. None when
+        ``order`` is not that (or the table went off): the general path then decides.
+        """
+        step_rows, step_starts = decode
+        if isinstance(order, str) or len(order) != len(step_rows) or not self.table_ok:
+            return None
+        rows = self.rows_of(order, "order", distinct=False)
+        if rows is None:
+            return None
+        mark = self._next_mark()
+        row_mark = self._row_mark
+        row_mark[rows] = mark
+        if np.count_nonzero(row_mark[step_rows] != mark):
+            return None
+        row_start = self._row_start
+        row_start[step_rows] = step_starts
+        return rows, row_start[rows]
+
+    def _next_mark(self) -> int:
+        self._mark += 1
+        return self._mark
 
     # -----------------------------------------------------------------------------------------
     # Helpers.
