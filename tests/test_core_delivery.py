@@ -542,3 +542,32 @@ def test_life_2_the_record_table_is_the_spec() -> None:
     for state in S:
         expected[(state, K.FINISHED)] = expected[(state, K.ABORTED)] = S.NOT_LIVE
     assert dict(_LIFECYCLE) == expected
+
+
+def test_d9_a_layout_in_a_new_order_is_checked_again_and_names_what_it_refuses(
+    make_core: MakeCore,
+) -> None:
+    """A layout whose row order changed is checked in full (D9, LIFE-3): a repeat is refused
+    before a request not live, each error names what it found, nothing changes, and a good
+    layout in any order saves each request's own rows."""
+    core = make_core()
+    start(core, started("a"), started("b"), started("c"), started("d"))
+    consume(core, save(core, [("a", [0]), ("b", [4]), ("c", [8]), ("d", [12])]).step_id)
+    cases = [
+        ([("b", [5]), ("a", [1]), ("b", [6])], "distinct request ids"),
+        ([("x", [5]), ("a", [1]), ("x", [6])], "distinct request ids"),  # repeat first
+        ([("c", [5]), ("x", [1]), ("y", [6])], "['x', 'y']"),
+        ([("z", [5])], "['z']"),
+    ]
+    for layout, named in cases:
+        error = raises_unchanged(core, BadInputError, core.save_begin, save_input(layout))
+        assert named in f"{error.expected} {error.got}"
+    start(core, preempted("c"))
+    layout = [("d", [13]), ("c", [9]), ("a", [1])]
+    error = raises_unchanged(core, BadInputError, core.save_begin, save_input(layout))
+    assert "preempted requests ['c']" in error.got and "LIFE-3" in error.expected
+    step = save(core, [("d", [13]), ("b", [5]), ("a", [1])]).step_id
+    plan = consume(core, step, ["a", "d"])  # a subset, in another order again
+    assert positions(plan) == [(1, 2), (1, 2)]
+    with pytest.raises(BadInputError, match="outside the save snapshot"):
+        consume(core, save(core, [("b", [6]), ("a", [2])]).step_id, ["a", "c"])
