@@ -294,15 +294,18 @@ def decode_layout_from_rows(
     `PrefixCacheWriteLayout.from_block_tables` builds from the same lists; None when a position
     falls outside its request's blocks (a -1 or past the table), where that one names it.
     """
-    columns, offsets = np.divmod(starts, block_size)
+    if block_size & (block_size - 1):
+        columns, offsets = np.divmod(starts, block_size)
+    else:  # a power of two (vLLM's block sizes): shifts and masks are cheaper
+        columns = starts >> (block_size.bit_length() - 1)
+        offsets = starts & (block_size - 1)
     try:
         blocks = table[rows, columns]
     except IndexError:
         return None
     if np.count_nonzero(blocks < 0):
         return None
-    slots = blocks.astype(np.int64)
-    slots *= block_size
+    slots = np.multiply(blocks, block_size, dtype=np.int64)
     slots += offsets
     req_ids = order if isinstance(order, tuple) else tuple(order)
     return PrefixCacheWriteLayout._from_bounds(

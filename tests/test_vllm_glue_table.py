@@ -361,3 +361,20 @@ def test_a_stray_cached_id_in_a_decode_step_is_named_and_the_open_step_kept() ->
         )
         assert cache._open_step is not None and cache._open_step.decode is None
         assert cache.layout(["b", "a"]).slots_cpu.tolist() == [running[r][1] * BS for r in "ba"]
+
+
+@pytest.mark.parametrize("bad", [(), [], 7])
+def test_a_decode_steps_bad_added_block_ids_are_named(bad: Any) -> None:
+    """Added block ids that are not one list per KV cache group (an empty tuple next to real
+    additions, an int) are refused naming the request, whichever path picks the
+    requests that add blocks; the same step with good ids is a decode step."""
+    state = TranslationState(kv_group=0, max_concurrent_batches=1)
+    so = output({"a": 4, "b": 4}, [("a", [0], 0), ("b", [1], 0)], [], set(), set(), set())
+    state.commit(state.translate(so), {"a": 4, "b": 4})
+    so = output({"a": 1, "b": 1}, [], [("a", [3], 4), ("b", [2], 4)], set(), set(), set())
+    so.scheduled_cached_reqs.new_block_ids[1] = bad
+    with pytest.raises(BadInputError, match="block ids of request 'b'"):
+        state.translate(so)
+    so.scheduled_cached_reqs.new_block_ids[1] = ([2],)
+    step = state.translate(so)
+    assert step.extending == [("a", [3]), ("b", [2])] and step.decode is not None

@@ -240,6 +240,9 @@ class TranslationState:
         self._row_pos = np.zeros(64, dtype=np.intp)
         self._row_start = np.zeros(64, dtype=np.int64)
         self._mark = 0
+        # Each row of ``table_rows`` as 8 little-endian bytes: the rows of hundreds of ids are
+        # then one C-level join of their bytes, read as an array in place.
+        self._row_bytes: dict[str, bytes] = {}
         # Per `rows_of` memo slot, the last id list looked up and its rows (the scheduler's and
         # the runner's orders mostly stay put between steps). Any change of ``table_rows``
         # drops them.
@@ -313,6 +316,7 @@ class TranslationState:
                 self._grow(rows=2 * len(self.table_lens))
             row = self._free_rows.pop()
             self.table_rows[req_id] = row
+            self._row_bytes[req_id] = row.to_bytes(8, "little")
         else:
             self.table[row, : self.table_lens[row]] = -1
         if len(blocks) > self.table.shape[1]:
@@ -324,6 +328,7 @@ class TranslationState:
         """Give an ended or preempted request's row back, its entries unused again."""
         row = self.table_rows.pop(req_id, None)
         if row is not None:
+            del self._row_bytes[req_id]
             self._memo.clear()
             self.table[row, : self.table_lens[row]] = -1
             self.table_lens[row] = 0
@@ -422,19 +427,24 @@ class TranslationState:
             if isinstance(new_block_ids, list):
                 # A decode step adds blocks to a few of hundreds of requests: pick those in C.
                 # An entry that is neither None nor truthy (an empty tuple) takes the full loop,
-                # whose group lookup refuses it.
-                picked = list(
-                    zip(compress(req_ids, new_block_ids), filter(None, new_block_ids), strict=True)
+                # whose group lookup refuses it, as does a group lookup that fails here.
+                picked = zip(
+                    compress(req_ids, new_block_ids), filter(None, new_block_ids), strict=True
                 )
-                if len(picked) == len(new_block_ids) - new_block_ids.count(None):
-                    pairs = picked
-                    if not step.joining:
-                        kv = self.kv_group
-                        try:
-                            step.extending = [(r, added[kv]) for r, added in picked]
-                            pairs = ()
-                        except (IndexError, TypeError):
-                            pass  # the loop names the request
+                expected = len(new_block_ids) - new_block_ids.count(None)
+                if step.joining:
+                    pairs_picked = list(picked)
+                    if len(pairs_picked) == expected:
+                        pairs = pairs_picked
+                else:
+                    kv = self.kv_group
+                    try:
+                        extending = [(r, added[kv]) for r, added in picked]
+                    except (IndexError, TypeError):
+                        extending = []
+                    if len(extending) == expected:
+                        step.extending = extending
+                        pairs = ()
             for req_id, added in pairs:
                 if added is not None and req_id not in step.joining:
                     step.extending.append((req_id, self._group_blocks(req_id, added)))
@@ -477,10 +487,10 @@ class TranslationState:
             # read them); with as many scheduled requests, they are all of them. vLLM lists
             # both in its running order: then one compare says the keys are the same.
             if list(sched) == req_ids:
-                counts: Sequence[int] = list(sched.values())
+                ones = operator.countOf(sched.values(), 1)
             else:
-                counts = operator.itemgetter(*req_ids)(sched)
-            if counts.count(1) != n:
+                ones = operator.itemgetter(*req_ids)(sched).count(1)
+            if ones != n:
                 return True
             starts = np.fromiter(cached.computed, dtype=np.int64, count=n)
         except (KeyError, TypeError, ValueError, OverflowError):
@@ -500,12 +510,14 @@ class TranslationState:
         if kept is not None and type(req_ids) is list and kept[0] == req_ids:
             return kept[1]
         n = len(req_ids)
+        if n < 2:
+            return None
         try:
             # One lookup per id in C (n >= 2: the getter returns a tuple).
-            found = operator.itemgetter(*req_ids)(self.table_rows) if n > 1 else ()
-            rows = np.fromiter(found, dtype=np.intp, count=n)
-        except (KeyError, TypeError, ValueError):
+            packed = b"".join(operator.itemgetter(*req_ids)(self._row_bytes))
+        except (KeyError, TypeError):
             return None
+        rows = np.frombuffer(packed, dtype="<i8")
         if distinct:
             positions = self._aranges.get(n)
             if positions is None:
