@@ -17,7 +17,6 @@ threaded mode a step under `DIRECT_WRITE_MIN_BYTES` keeps the page and the commi
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -68,6 +67,9 @@ class SavePath:
         self._host_memory = host_memory
         self._pool = state.pool
         self._pages = state.pages
+        # The last layout's row bounds and their array: decode layouts of one size share one
+        # bounds tuple, so the array is made once per size, not per step.
+        self._last_bounds: tuple[tuple[int, ...], npt.NDArray[np.int64]] | None = None
 
     def save(
         self,
@@ -119,7 +121,7 @@ class SavePath:
             raise
         req_ids = cast(tuple[ReqId, ...], write_layout.req_ids)
         n_requests = len(req_ids)
-        bounds = np.fromiter(write_layout.bounds, dtype=np.int64, count=n_requests + 1)
+        bounds = self._bounds_array(write_layout.bounds, n_requests)
         # STEP-3: engines refill one slot-mapping buffer every step, while this step's writes
         # and reads are still pending; the tables and the writes keep a private copy.
         slot_ids = write_layout.slots_cpu.clone() if n else torch.zeros(0, dtype=torch.int64)
@@ -170,6 +172,16 @@ class SavePath:
                     with state.lock:
                         state.drain()
         return step_id
+
+    def _bounds_array(self, bounds: tuple[int, ...], n_requests: int) -> npt.NDArray[np.int64]:
+        """The layout's row bounds as a read-only int64 array (the core keeps it in the step)."""
+        last = self._last_bounds
+        if last is not None and last[0] is bounds:
+            return last[1]
+        array = np.fromiter(bounds, dtype=np.int64, count=n_requests + 1)
+        array.flags.writeable = False
+        self._last_bounds = (bounds, array)
+        return array
 
     def _preserve_open_steps(
         self,
@@ -283,8 +295,8 @@ class SavePath:
         ctx.n = n
         ctx.page = page
         ctx.immediate_keys = tuple(parts.immediate)
-        bounds = layout.bounds
-        ctx.req_rows = dict(zip(layout.req_ids, itertools.pairwise(bounds), strict=True))
+        ctx.req_ids = layout.req_ids
+        ctx.bounds = layout.bounds
         ctx.shapes = {k: self._pool.shapes[k] for k in (*parts.immediate, *parts.deferred)}
         on_device = state.cuda and (
             any(t.is_cuda for t in (*parts.immediate.values(), *parts.deferred.values()))

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,8 @@ class StepContext:
     """
 
     __slots__ = (
+        "_req_rows",
+        "bounds",
         "d2h_event",
         "deferred_rows",
         "freeze_event",
@@ -88,7 +91,7 @@ class StepContext:
         "own",
         "page",
         "read_ids",
-        "req_rows",
+        "req_ids",
         "shapes",
         "slots",
         "task_jobs",
@@ -97,7 +100,11 @@ class StepContext:
     def __init__(self) -> None:
         self.n = 0
         self.page = 0
-        self.req_rows: dict[str, tuple[int, int]] = {}
+        # The layout's request ids and row bounds; `req_rows` is made from them when a consume
+        # first asks (off the engine thread: a decode step's save skips a 256-entry dict).
+        self.req_ids: tuple[str, ...] = ()
+        self.bounds: Sequence[int] = (0,)
+        self._req_rows: dict[str, tuple[int, int]] | None = None
         self.immediate_keys: tuple[TensorName, ...] = ()
         self.deferred_rows: dict[TensorName, torch.Tensor] = {}
         self.leftover: dict[str, Any] = {}
@@ -111,6 +118,16 @@ class StepContext:
         # read from the pool; empty where the rows are in the page.
         self.slots: np.ndarray = _NO_SLOTS
         self.own: dict[TensorName, ReadRecord] = {}
+
+    @property
+    def req_rows(self) -> dict[str, tuple[int, int]]:
+        """Each request's row range ``(start, end)`` in the step, in layout order."""
+        rows = self._req_rows
+        if rows is None:
+            # Two consumers racing here build equal dicts; either one may stay.
+            rows = dict(zip(self.req_ids, itertools.pairwise(self.bounds), strict=True))
+            self._req_rows = rows
+        return rows
 
 
 class AdapterState:
