@@ -42,6 +42,7 @@ from omni_cache_cuda._outputs import (
     unpin,
 )
 from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
+from omni_cache_cuda._storage import empty_rows
 
 __all__ = ["ConsumePath"]
 
@@ -172,7 +173,7 @@ class ConsumePath:
                 # D27: every request, none with a hit: the step's rows in one gather, in layout
                 # order, then handed out as a page's rows are.
                 shape = ctx.shapes[key]
-                rows = torch.empty((ctx.n, shape.width), dtype=shape.dtype)
+                rows = empty_rows((ctx.n, shape.width), shape.dtype)
                 self._own_rows(ctx, key, np.arange(ctx.n, dtype=np.int64), rows)
                 current[key] = rows.view(ctx.n, *shape.features)
             # The key's rows and each request's range; its views are made when read (OUT-5).
@@ -183,7 +184,7 @@ class ConsumePath:
                     # One buffer per hit request: the prefix is gathered straight into it.
                     tail = out[req]
                     hit = len(read.slots)
-                    full = torch.empty((hit + len(tail), *tail.shape[1:]), dtype=tail.dtype)
+                    full = empty_rows((hit + len(tail), *tail.shape[1:]), tail.dtype)
                     flat = full.view(len(full), -1)
                     self.gather(flat[:hit], read, records.get(read.read_id), ctx, current)
                     # An explicit width: a request with 0 rows this step has an empty tail.
@@ -255,7 +256,7 @@ class ConsumePath:
                 positions = np.arange(total, dtype=np.int64) + np.repeat(
                     spans[:, 0] - offsets, lengths
                 )
-            base = torch.empty((total, shape.width), dtype=shape.dtype)
+            base = empty_rows((total, shape.width), shape.dtype)
             self._own_rows(ctx, key, positions, base)
             pieces = torch.split(base.view(total, *shape.features), lengths.tolist())
             out.update(zip(plain, pieces, strict=True))
@@ -270,7 +271,7 @@ class ConsumePath:
             if buffer is not None:
                 full = buffer.view(hit + end - start, *shape.features)  # HIT-7, gathered there
             else:
-                full = torch.empty((hit + end - start, *shape.features), dtype=shape.dtype)
+                full = empty_rows((hit + end - start, *shape.features), shape.dtype)
             flat = full.view(len(full), -1)
             self.gather(flat[:hit], read, record, ctx, current)
             self._own_rows(ctx, key, np.arange(start, end, dtype=np.int64), flat[hit:])

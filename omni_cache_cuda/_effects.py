@@ -48,6 +48,7 @@ from omni_cache_core import (
 from omni_cache_cuda._committer import Chunk, WriteJob
 from omni_cache_cuda._log import log
 from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
+from omni_cache_cuda._storage import empty_rows
 
 __all__ = ["EffectInterpreter"]
 
@@ -125,7 +126,7 @@ class EffectInterpreter:
         self._state.faults.fire("prefetch", effect)
         with self._state.ranges("omni_cache.hit_prefetch"):
             count = len(effect.slots)
-            out = torch.empty((count + tail, pool_rows.shape[1]), dtype=pool_rows.dtype)
+            out = empty_rows((count + tail, pool_rows.shape[1]), pool_rows.dtype)
             torch.index_select(pool_rows, 0, torch.from_numpy(effect.slots), out=out[:count])
             return out
 
