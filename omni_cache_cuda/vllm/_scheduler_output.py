@@ -243,6 +243,7 @@ class TranslationState:
         # Each row of ``table_rows`` as 8 little-endian bytes: the rows of hundreds of ids are
         # then one C-level join of their bytes, read as an array in place.
         self._row_bytes: dict[str, bytes] = {}
+        self._bytes_of_row = [row.to_bytes(8, "little") for row in range(64)]
         # Per `rows_of` memo slot, the last id list looked up and its rows (the scheduler's and
         # the runner's orders mostly stay put between steps). Any change of ``table_rows``
         # drops them.
@@ -279,6 +280,8 @@ class TranslationState:
     def commit(self, step: StepTranslation, scheduled: Collection[str]) -> None:
         """Apply an accepted step: ``scheduled`` is the step's own copy of its scheduled ids."""
         running, preempted = self.running, self.preempted
+        if step.ended or step.preempting or step.joining:
+            self._memo.clear()  # rows change: the looked-up lists' rows may no longer hold
         if self.unconfirmed or step.drafts:
             unconfirmed = self.unconfirmed
             unconfirmed.difference_update(step.computed, step.ended, step.preempting)
@@ -309,14 +312,13 @@ class TranslationState:
 
     def _set_row(self, req_id: str, blocks: Sequence[int]) -> None:
         """Write a joining request's block list into its row of the table."""
-        self._memo.clear()
         row = self.table_rows.get(req_id)
         if row is None:
             if not self._free_rows:
                 self._grow(rows=2 * len(self.table_lens))
             row = self._free_rows.pop()
             self.table_rows[req_id] = row
-            self._row_bytes[req_id] = row.to_bytes(8, "little")
+            self._row_bytes[req_id] = self._bytes_of_row[row]
         else:
             self.table[row, : self.table_lens[row]] = -1
         if len(blocks) > self.table.shape[1]:
@@ -329,7 +331,6 @@ class TranslationState:
         row = self.table_rows.pop(req_id, None)
         if row is not None:
             del self._row_bytes[req_id]
-            self._memo.clear()
             self.table[row, : self.table_lens[row]] = -1
             self.table_lens[row] = 0
             self._free_rows.append(row)
@@ -363,6 +364,9 @@ class TranslationState:
         if new_rows > old_rows:
             self.table_lens.extend([0] * (new_rows - old_rows))
             self._free_rows.extend(range(new_rows - 1, old_rows - 1, -1))
+            self._bytes_of_row.extend(
+                row.to_bytes(8, "little") for row in range(old_rows, new_rows)
+            )
             self._row_mark = np.zeros(new_rows, dtype=np.int64)
             self._row_pos = np.zeros(new_rows, dtype=np.intp)
             self._row_start = np.zeros(new_rows, dtype=np.int64)
@@ -406,6 +410,8 @@ class TranslationState:
     def _cached(self, cached: _CachedRequests, step: StepTranslation) -> None:
         """Check the other cached requests are running; plan their added blocks and starts."""
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        if len(req_ids) == 0:
+            return  # a step of new requests only: nothing to check or plan
         if not self._cached_by_rows(cached, step):
             # Every other cached request must be running here, and stay so through this step.
             running = (
