@@ -23,7 +23,10 @@ a warm-up; glue and manager run in alternating rounds (`--rounds`, default 5). P
 quietest round of each, their ratio, and the median of the rounds' own ratios (a glue round and
 the manager round right after it see the same machine state; the shared machine's speed swings).
 
-Then the whole decode cycle through the glue over a real manager (threaded and inline): the
+Then the whole decode cycle through the glue over a real manager (threaded and inline), with the
+row order shuffled every step (the worst case: every per-request lookup starts over) and with
+one order kept from step to step (what vLLM's input batch does while no request joins or
+leaves; each step's list is still a fresh one): the
 engine thread's CPU time for `step_begin` + `save` (records, layout, core, the copy into the
 landing buffer; target <= 250 us) and the CPU time of `materialize` of the same step (target
 <= 300 us), timed apart on the same thread; `+ read` adds reading every request's hidden and mm
@@ -112,8 +115,15 @@ class Step:
         self.rows = rows
 
 
-def decode_steps(n: int, rng: random.Random) -> tuple[list[Step], list[Step]]:
-    """Setup steps that start 256 requests (discarded), then n decode steps."""
+def decode_steps(
+    n: int, rng: random.Random, *, shuffle: bool = True
+) -> tuple[list[Step], list[Step]]:
+    """Setup steps that start 256 requests (discarded), then n decode steps.
+
+    The runner's row order is shuffled anew every step, or with ``shuffle=False`` shuffled
+    once and kept (a fresh list of the same order each step), as vLLM's input batch keeps its
+    rows in place while no request joins or leaves.
+    """
     ids = [f"chatcmpl-{i:04d}-{rng.randrange(16**8):08x}" for i in range(256)]
     computed = {r: rng.randrange(100, 1500) for r in ids}
     next_block = iter(range(NUM_BLOCKS))
@@ -127,9 +137,12 @@ def decode_steps(n: int, rng: random.Random) -> tuple[list[Step], list[Step]]:
             computed[r] += 1
         setup.append(Step(output(sched, news, ([], [], []), set()), group, sum(sched.values())))
     steps = []
+    kept = list(ids)
+    rng.shuffle(kept)
     for _ in range(n):
-        order = list(ids)
-        rng.shuffle(order)
+        order = list(ids if shuffle else kept)
+        if shuffle:
+            rng.shuffle(order)
         new_block_ids: list[Any] = []
         for r in ids:
             if computed[r] // BLOCK_SIZE >= len(blocks[r]):
@@ -343,13 +356,20 @@ def main() -> None:
             f"{name:<34} {glue_us:>9.0f} {manager_us:>11.0f} {ratio:>13.1%} "
             f"{per_round:>10.1%} {target:>8} {verdict}  {spread}"
         )
-    setup, steps = decode_steps(args.steps + warmup, rng)
+    shuffled = decode_steps(args.steps + warmup, rng)
+    kept = decode_steps(args.steps + warmup, rng, shuffle=False)
     print()
     print(
         f"{'decode 256 x 1 through the glue':<34} {'begin+save us':>13} {'materialize us':>15} "
         f"{'+ read us':>10}  targets <= {ENGINE_TARGET_US:.0f} / {MATERIALIZE_TARGET_US:.0f}"
     )
-    for threaded in (True, False):
+    for threaded, order in (
+        (True, "shuffled"),
+        (False, "shuffled"),
+        (True, "kept"),
+        (False, "kept"),
+    ):
+        setup, steps = shuffled if order == "shuffled" else kept
         cycles = [cycle_round(setup, steps, warmup, threaded) for _ in range(args.rounds)]
         engine_us, consume_us, read_us = (min(c[k] for c in cycles) for k in range(3))
         verdict = (
@@ -358,8 +378,9 @@ def main() -> None:
             else "MISSED"
         )
         spread = ", ".join(f"{e:.0f}/{c:.0f}/{r:.0f}" for e, c, r in cycles)
+        name = f"{'threaded' if threaded else 'inline'}, order {order}"
         print(
-            f"{'threaded' if threaded else 'inline':<34} {engine_us:>13.0f} {consume_us:>15.0f} "
+            f"{name:<34} {engine_us:>13.0f} {consume_us:>15.0f} "
             f"{read_us:>10.0f}  {verdict}  rounds {spread}"
         )
 
