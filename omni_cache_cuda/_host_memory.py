@@ -8,7 +8,7 @@ key's first allocation. A key keeps the row shape it was first installed with (F
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TypeAlias
 
 import torch
@@ -118,7 +118,7 @@ class HostMemory:
     def install_keys(
         self,
         shapes: Mapping[TensorName, KeyShape],
-        immediate: set[TensorName],
+        immediate: Collection[TensorName],
         *,
         tables: bool = False,
     ) -> None:

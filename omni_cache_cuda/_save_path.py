@@ -124,8 +124,8 @@ class SavePath:
         bounds = self._bounds_array(write_layout.bounds, n_requests)
         # STEP-3: engines refill one slot-mapping buffer every step, while this step's writes
         # and reads are still pending; the tables and the writes keep a private copy.
-        slot_ids = write_layout.slots_cpu.clone() if n else torch.zeros(0, dtype=torch.int64)
-        slots = slot_ids.numpy()
+        slots = write_layout.slots_cpu.numpy().copy() if n else np.zeros(0, dtype=np.int64)
+        slot_ids = torch.from_numpy(slots)
         deferred_bytes = sum(t.numel() * t.element_size() for t in parts.deferred.values())
         immediate_bytes = (
             sum(t.numel() * t.element_size() for t in parts.immediate.values() if t.is_cuda)
@@ -149,7 +149,7 @@ class SavePath:
             state.core.save_begin(begin)
         try:
             page = self._effects.proceed()
-            self._host_memory.install_keys(shapes, set(parts.immediate))
+            self._host_memory.install_keys(shapes, parts.immediate.keys())
             ctx, step_job = self.stage(parts, n, page, write_layout, slot_ids)
             step_id, preserves, others = self._effects.commit(ctx, step_job, slot_ids)
         except BaseException:
