@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NoReturn
 
@@ -22,15 +23,12 @@ __all__ = [
 # use numpy (a decode step has hundreds of one-token requests; a prefill a few long ones).
 _LOOP_TOKENS = 16
 
-_RANGE: tuple[int, ...] = tuple(range(1025))
 
-
+@functools.lru_cache(maxsize=64)
 def _unit_bounds(n: int) -> tuple[int, ...]:
-    """``tuple(range(n + 1))``, the bounds of n one-row requests, sliced from a kept tuple."""
-    global _RANGE
-    if n >= len(_RANGE):
-        _RANGE = tuple(range(2 * n + 1))
-    return _RANGE[: n + 1]
+    """``tuple(range(n + 1))``, the bounds of n one-row requests: one tuple per size, so the save
+    that reads a decode layout's bounds as an array makes that array once per size."""
+    return tuple(range(n + 1))
 
 
 @attrs.frozen
