@@ -37,7 +37,7 @@ from omni_cache_core import (
 from omni_cache_cuda._faults import Faults
 from omni_cache_cuda._log import log
 from omni_cache_cuda._nvtx import RangeFn, no_ranges
-from omni_cache_cuda._storage import HostPool, StagingPages
+from omni_cache_cuda._storage import HostPool, StagingPages, row_bytes
 
 __all__ = ["Chunk", "Committer", "JobStage", "Signal", "WriteJob"]
 
@@ -435,15 +435,17 @@ class Committer:
                 rows = parts[0][1] if len(parts) == 1 else torch.cat([r for _, r in parts])
                 if len(parts) > 1:
                     slots, rows = _last_rows(slots, rows)
+                source = row_bytes(rows)
             else:
                 assert job.slots is not None and job.page is not None
                 slots = job.slots
-                rows = (
-                    job.rows[key] if job.rows is not None else self.pages.rows(key, job.page, job.n)
+                source = (
+                    row_bytes(job.rows[key])
+                    if job.rows is not None
+                    else self.pages.byte_rows(key, job.page, job.n)
                 )
             index = slots.numpy()
-            source = row_bytes(rows)
-            target = row_bytes(self.pool.tensors[key])
+            target = self.pool.byte_rows[key]
             lost = job.lost(key)
             skip = np.flatnonzero(np.isin(index, lost.numpy())) if lost is not None else ()
             if len(skip) == len(index):
@@ -459,12 +461,6 @@ class Committer:
             written = len(index) - len(skip)
             self.rows_written[key] += written
             self.bytes_to_pool += written * source.shape[1]
-
-
-def row_bytes(rows: torch.Tensor) -> np.ndarray:
-    """A contiguous host tensor's rows as a ``(rows, row_bytes)`` uint8 numpy view (no copy)."""
-    flat = rows.reshape(len(rows), -1)
-    return flat.view(torch.uint8).numpy()
 
 
 def piece_ranges(num_rows: int, row_nbytes: int, max_bytes: int) -> list[tuple[int, int]]:

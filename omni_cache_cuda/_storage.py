@@ -18,6 +18,7 @@ import weakref
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from omni_cache_core import BadInputError, TensorName
@@ -30,6 +31,7 @@ __all__ = [
     "advise_huge_pages",
     "alloc_host",
     "empty_rows",
+    "row_bytes",
 ]
 
 _registered_lock = threading.Lock()
@@ -150,6 +152,12 @@ def empty_rows(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return rows
 
 
+def row_bytes(rows: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor's rows as a ``(rows, row_bytes)`` uint8 numpy view (no copy)."""
+    flat = rows.reshape(len(rows), -1)
+    return flat.view(torch.uint8).numpy()
+
+
 @attrs.frozen
 class KeyShape:
     """What every row of a cached key looks like; fixed at first sight (FAIL-5)."""
@@ -198,6 +206,9 @@ class HostPool:
         self.faults = faults
         self.tensors: dict[TensorName, torch.Tensor] = {}
         self.shapes: dict[TensorName, KeyShape] = {}
+        #: Each key's storage as ``(num_slots, row_bytes)`` uint8 numpy rows, made at install:
+        #: a write then runs in numpy alone, with no torch call that hands the GIL around.
+        self.byte_rows: dict[TensorName, np.ndarray] = {}
 
     def nbytes_for(self, shape: KeyShape) -> int:
         """Bytes a key of this row shape takes: one row per KV slot (D20)."""
@@ -218,6 +229,7 @@ class HostPool:
         if key not in self.tensors:
             self.tensors[key] = storage
             self.shapes[key] = shape
+            self.byte_rows[key] = row_bytes(storage)
 
     def nbytes(self) -> int:
         """Bytes of every key's storage."""
@@ -226,6 +238,7 @@ class HostPool:
     def release(self) -> None:
         """Drop every key's storage (shutdown); the memory goes once no reader holds it."""
         self.tensors = {}
+        self.byte_rows = {}
 
 
 class StagingPages:
@@ -239,6 +252,7 @@ class StagingPages:
         self.pin = pin
         self.faults = faults
         self.buffers: dict[TensorName, torch.Tensor] = {}
+        self._byte_rows: dict[TensorName, np.ndarray] = {}
 
     def nbytes_for(self, shape: KeyShape) -> int:
         """Bytes an immediate key of this row shape takes: every page's rows (D20)."""
@@ -258,11 +272,17 @@ class StagingPages:
         """Install a key's pages unless they are there already."""
         if key not in self.buffers:
             self.buffers[key] = buffer
+            self._byte_rows[key] = row_bytes(buffer)
 
     def rows(self, key: TensorName, page: int, n: int) -> torch.Tensor:
         """The first ``n`` rows of one page of one key (a view)."""
         start = page * self.capacity
         return self.buffers[key][start : start + n]
+
+    def byte_rows(self, key: TensorName, page: int, n: int) -> np.ndarray:
+        """`rows` as ``(n, row_bytes)`` uint8 numpy rows (a view, made without a torch call)."""
+        start = page * self.capacity
+        return self._byte_rows[key][start : start + n]
 
     def nbytes(self) -> int:
         """Bytes of every key's pages."""
@@ -271,3 +291,4 @@ class StagingPages:
     def release(self) -> None:
         """Drop every key's pages (shutdown); the memory goes once no reader holds it."""
         self.buffers = {}
+        self._byte_rows = {}
