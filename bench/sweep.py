@@ -41,6 +41,7 @@ from omni_cache_cuda import (
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
+from omni_cache_cuda._storage import alloc_host
 
 BLOCK_SIZE = 16
 MM_KEY = "talker.h"
@@ -69,16 +70,17 @@ class Point:
 
 
 class Buffers:
-    """Plain tensors of the cache's sizes, for the copies a cycle cannot avoid."""
+    """Plain tensors of the cache's sizes, for the copies a cycle cannot avoid: host memory of
+    the cache's own kind (`alloc_host`, huge pages where Linux offers them)."""
 
     def __init__(self, slots: int, width: int, rows_out: int) -> None:
         self.pools = (
-            torch.zeros(slots, width, dtype=DTYPE),
-            torch.zeros(slots, MM_WIDTH, dtype=DTYPE),
+            alloc_host((slots, width), DTYPE, pin=False),
+            alloc_host((slots, MM_WIDTH), DTYPE, pin=False),
         )
         self.outs = (
-            torch.zeros(rows_out, width, dtype=DTYPE),
-            torch.zeros(rows_out, MM_WIDTH, dtype=DTYPE),
+            alloc_host((rows_out, width), DTYPE, pin=False),
+            alloc_host((rows_out, MM_WIDTH), DTYPE, pin=False),
         )
 
     def copies(
