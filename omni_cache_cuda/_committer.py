@@ -301,7 +301,8 @@ class Committer:
         """Copy a claimed job's rows to the host and write them to the pool; never raises.
 
         Reports CopyStarted, CopyLanded and WriteLanded, or WriteFailed at the first error
-        (FAIL-1, FAIL-2), each published before the waiters are woken (TASK-6).
+        (FAIL-1, FAIL-2), each published before the waiters are woken (TASK-6): after the copy
+        stage where there is one (a deferred write, a step's device copy), and at the end.
         """
         self.reports.append(CopyStarted(tid=job.tid))
         try:
@@ -315,7 +316,12 @@ class Committer:
                         job.d2h_event.synchronize()  # the whole-step copy into the page (PAGE-6)
                     job.hold = []
             self.reports.append(CopyLanded(tid=job.tid))
-            self.signal.bump()
+            if job.deferred or job.d2h_event is not None:
+                # Someone may wait for this copy stage (an escalated deferred write, TASK-3; a
+                # step's device copy). A CPU step write has no copy stage: its CopyLanded is
+                # published with its WriteLanded by the one wake below, so a waiter that
+                # needs the write is not woken in between to find it still running.
+                self.signal.bump()
             self.faults.fire("pool_write", job)
             with self.ranges("omni_cache.pool_write"):
                 self._write_pool(job)

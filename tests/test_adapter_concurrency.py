@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from omni_cache_core import TensorName, Tid, WriteFailed, WriteLanded
+from omni_cache_core import CopyLanded, CopyStarted, TensorName, Tid, WriteFailed, WriteLanded
 from omni_cache_cuda import (
     OmniPrefixCacheManager,
     StepAlreadyConsumedError,
@@ -329,6 +329,34 @@ def test_committer_skips_the_slots_a_write_lost() -> None:
     committer.shutdown(5.0)
     got = pool.tensors[CODES][:6, 0].tolist()
     assert got == [0, -1, 8, 6, -1, -1], got
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_cpu_step_write_wakes_its_waiters_once(deferred: bool) -> None:
+    """TASK-6: every stage is published before the waiters are woken. A CPU step write has no
+    copy stage, so its waiters are woken once, when it is written; a deferred write wakes them
+    after its copy stage too (the save barrier awaits an escalated one at HOST_READY)."""
+    pool = HostPool(8, pin=False)
+    pages = StagingPages(1, 4, pin=False)
+    shape = KeyShape(features=(2,), dtype=torch.int64)
+    pool.install(CODES, shape, pool.allocate(shape))
+    pages.install(CODES, pages.allocate(shape, CODES))
+    reports: collections.deque[Any] = collections.deque()
+    signal = Signal()
+    committer = Committer(pool, pages, reports, signal, threaded=False, copy_chunk_bytes=64)
+    rows = torch.arange(6, dtype=torch.int64).reshape(3, 2) + 10
+    slots = torch.tensor([5, 1, 6])
+    if deferred:
+        job = WriteJob(Tid(7), (CODES,))
+        job.chunks.append(Chunk(slots, {CODES: rows}))
+        committer.escalate([job])
+    else:
+        job = WriteJob(Tid(7), (CODES,), page=0, slots=slots)
+        pages.rows(CODES, 0, 3).copy_(rows)
+        committer.submit(job)
+    assert [type(r) for r in reports] == [CopyStarted, CopyLanded, WriteLanded]
+    assert signal.generation == (2 if deferred else 1)
+    assert pool.tensors[CODES][[5, 1, 6]].tolist() == rows.tolist()
 
 
 CODES = TensorName("codes.audio")
