@@ -6,12 +6,15 @@ key (`talker.h`, width 16, bf16); staging_capacity_tokens=8192.
 - prefill: 16 requests x 512 tokens, half of them starting with a 256-token hit (6144 rows
   computed, 8192 returned); target <= 1.05x the copies of the one-copy path (DESIGN D27).
 
-Two sets of copies are timed in the same run as plain torch ops on buffers of the same sizes:
+Two sets of copies are timed in the same run as plain copies on buffers of the same sizes, each
+with the primitive the cache itself uses (a slower primitive would flatter the ratio: torch's CPU
+`index_copy_` is several times slower than the row copy through byte views, DESIGN D31):
 - the three-copy path (a staging page, as on CUDA): the step's rows into a page (`copy_`), the
-  page into the pool at the step's slots (`index_copy_`), and out to the caller: the step's rows
-  copied out of the page plus the hit rows gathered from the pool (`index_select`);
-- the one-copy path (the CPU's, D27): the step's rows into the pool at their slots
-  (`index_copy_`), and every returned row, the step's own and the hit rows, gathered out of the
+  page into the pool at the step's slots (one numpy row assignment through byte views, as the
+  committer's pool write), and out to the caller: the step's rows copied out of the page plus
+  the hit rows gathered from the pool (`index_select`);
+- the one-copy path (the CPU's, D27): the step's rows into the pool at their slots (the same row
+  assignment), and every returned row, the step's own and the hit rows, gathered out of the
   pool once (`index_select`).
 Bookkeeping is the cycle minus the one-copy path's copies.
 
@@ -56,7 +59,7 @@ from omni_cache_cuda import (
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
-from omni_cache_cuda._storage import alloc_host
+from omni_cache_cuda._storage import alloc_host, row_bytes
 
 NUM_BLOCKS = 16384
 BLOCK_SIZE = 16
@@ -80,7 +83,9 @@ def make_manager(threaded: bool) -> OmniPrefixCacheManager:
 
 
 class CopyBaseline:
-    """Plain torch copies of the bytes a cycle must move, on buffers of the cache's sizes."""
+    """Plain copies of the bytes a cycle must move, on buffers of the cache's sizes, with the
+    cache's own primitives: a row assignment through byte views into the pool, `index_select`
+    out of it."""
 
     def __init__(self) -> None:
         slots = NUM_BLOCKS * BLOCK_SIZE
@@ -100,6 +105,7 @@ class CopyBaseline:
             alloc_host((2 * CAPACITY, WIDTH), DTYPE, pin=False),
             alloc_host((2 * CAPACITY, MM_WIDTH), DTYPE, pin=False),
         )
+        self.pool_bytes = tuple(row_bytes(pool) for pool in self.pools)
 
     def run(
         self, rows: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, hit_slots: torch.Tensor
@@ -107,17 +113,22 @@ class CopyBaseline:
         """Time one step's copies both ways; return process CPU seconds (three-copy, one-copy)."""
         n = len(slots)
         hits = len(hit_slots)
+        index = slots.numpy()
         t0 = time.process_time()
-        for src, page, pool, buffer in zip(rows, self.pages, self.pools, self.outs, strict=True):
+        for src, page, pool, pool_bytes, buffer in zip(
+            rows, self.pages, self.pools, self.pool_bytes, self.outs, strict=True
+        ):
             page[:n].copy_(src[:n])
-            pool.index_copy_(0, slots, page[:n])
+            pool_bytes[index] = row_bytes(page[:n])
             out = buffer[: n + hits]
             out[:n].copy_(page[:n])
             if hits:
                 torch.index_select(pool, 0, hit_slots, out=out[n:])
         t1 = time.process_time()
-        for src, pool, buffer in zip(rows, self.pools, self.outs, strict=True):
-            pool.index_copy_(0, slots, src[:n])
+        for src, pool, pool_bytes, buffer in zip(
+            rows, self.pools, self.pool_bytes, self.outs, strict=True
+        ):
+            pool_bytes[index] = row_bytes(src[:n])
             out = buffer[: n + hits]
             torch.index_select(pool, 0, slots, out=out[:n])
             if hits:

@@ -12,7 +12,8 @@ Printed per point, medians over the steps after a warm-up, the quietest of `--ro
 `cycle ms` the engine thread's CPU time for `new_step_starts` + `save_outputs` + `materialize`
 (layout built beforehand, reported apart as `layout ms`), `copy ms` the copies such a cycle
 cannot avoid (the step's rows into the pool at its slots, and every returned row copied out
-once: plain `index_copy_` / `copy_` / `index_select` on buffers of the same sizes), their ratio,
+once: a row assignment through byte views into the pool, as the cache's own pool write, and
+`copy_` / `index_select` out, on buffers of the same sizes), their ratio,
 and `fixed ms` = cycle - copy, the bookkeeping. Read across a row for what grows with bytes
 (the copies), down a column for what grows with requests (the bookkeeping); a constant
 bookkeeping across widths and a ratio falling to 1 with width is the healthy shape.
@@ -41,7 +42,7 @@ from omni_cache_cuda import (
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
-from omni_cache_cuda._storage import alloc_host
+from omni_cache_cuda._storage import alloc_host, row_bytes
 
 BLOCK_SIZE = 16
 MM_KEY = "talker.h"
@@ -82,15 +83,19 @@ class Buffers:
             alloc_host((rows_out, width), DTYPE, pin=False),
             alloc_host((rows_out, MM_WIDTH), DTYPE, pin=False),
         )
+        self.pool_bytes = tuple(row_bytes(pool) for pool in self.pools)
 
     def copies(
         self, rows: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, hits: torch.Tensor
     ) -> float:
         """Engine-thread CPU seconds of one step's unavoidable copies."""
         n, h = len(slots), len(hits)
+        index = slots.numpy()
         t0 = time.thread_time()
-        for src, pool, out in zip(rows, self.pools, self.outs, strict=True):
-            pool.index_copy_(0, slots, src[:n])
+        for src, pool, pool_bytes, out in zip(
+            rows, self.pools, self.pool_bytes, self.outs, strict=True
+        ):
+            pool_bytes[index] = row_bytes(src[:n])
             out[:n].copy_(src[:n])
             if h:
                 torch.index_select(pool, 0, hits, out=out[n : n + h])

@@ -1,0 +1,253 @@
+"""Where a decode step's engine-thread time goes, through the vLLM glue, and what is left without
+the committer hand-off.
+
+`vllm_glue.py` times `step_begin` + `save` of a decode step (256 x 1, hidden width 2048 bf16 plus
+one mm key of width 16) as one figure. This script splits the same cycle into its parts, each
+the engine thread's CPU time (`time.thread_time_ns`) measured by a wrapper around one function,
+medians per step:
+
+- `glue begin`: `VllmPrefixCache.step_begin` less the manager's `new_step_starts` in it;
+- `manager start`: `new_step_starts`;
+- `glue save`: `VllmPrefixCache.save` less `save_outputs` (the decode layout and its checks);
+- `manager save`: `save_outputs`, and inside it:
+  - `landing copy`: the step's rows into the landing page (`SavePath._copy_step`);
+  - `hand-off`: queueing the step's write for the committer thread (`Committer.submit`); its
+    wall time is printed beside it;
+  - `pool write`: the step's write run on the engine thread (`SavePath._write_now`: inline
+    mode's one copy into the pool, with its checks and reports);
+  - `barrier wait`: waiting for the previous step's write (TASK-3) or a page, summed over the
+    steps that wait, divided by all steps (and how many waited);
+  - `core`: `CacheCore.save_begin`, `save_proceed` and `save_commit`;
+  - `rest`: the adapter's own checks, contexts and bookkeeping (the difference).
+
+Three variants run in alternating rounds (each a fresh manager, order of rows kept from step to
+step as vLLM's input batch keeps it; materialize right after each save on the same thread, timed
+apart, as in `vllm_glue.py`):
+
+- `threaded`: the configuration measured by `vllm_glue.py`: the committer thread writes the pool;
+- `inline`: the pool write on the engine thread (D27's direct write, no page copy, no thread);
+- `no hand-off (diagnostic)`: threaded, but the step's write job runs on the engine thread with
+  its pool write skipped: no wake-up of the committer, no concurrent writer, no barrier wait.
+  Not a configuration (the pool never gets the rows); it shows the engine thread's own work, so
+  the difference to `threaded` is what handing the write to another thread costs on this
+  machine.
+
+The wrappers add about a microsecond per wrapped call; the `total` column is measured around
+`step_begin` + `save` without them being subtracted, so compare totals with each other, not with
+`vllm_glue.py`'s figure to the microsecond.
+
+Run: python bench/decode_floor.py [--steps N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from adapter_step import BLOCK_SIZE, CAPACITY, DTYPE, MM_KEY, MM_WIDTH, WIDTH, make_manager
+from vllm_glue import Step, decode_steps
+
+from omni_cache_core import _core
+from omni_cache_cuda import _committer, _manager, _save_path, _state
+from omni_cache_cuda.vllm import VllmPrefixCache
+from omni_cache_cuda.vllm import _glue as glue_module
+
+#: (owner, attribute, part name): the functions timed; a part's figure is its inclusive time.
+_TIMED: tuple[tuple[Any, str, str], ...] = (
+    (glue_module.VllmPrefixCache, "step_begin", "glue begin+"),
+    (glue_module.VllmPrefixCache, "save", "glue save+"),
+    (_save_path.SavePath, "save", "manager save"),
+    (_save_path.SavePath, "_copy_step", "landing copy"),
+    (_committer.Committer, "submit", "hand-off"),
+    (_save_path.SavePath, "_write_now", "pool write"),
+    (_state.AdapterState, "wait_for_signal", "barrier wait"),
+    (_manager.OmniPrefixCacheManager, "new_step_starts", "manager start"),
+    (_core.CacheCore, "save_begin", "core"),
+    (_core.CacheCore, "save_proceed", "core"),
+    (_core.CacheCore, "save_commit", "core"),
+)
+
+
+class Parts:
+    """Per-step sums of each part's thread CPU time (and the hand-off's wall time)."""
+
+    def __init__(self) -> None:
+        self.step: collections.Counter[str] = collections.Counter()
+        self.samples: dict[str, list[int]] = collections.defaultdict(list)
+        self.waits = 0
+
+    def close_step(self) -> None:
+        for name in self.samples.keys() | self.step.keys():
+            self.samples[name].append(self.step.get(name, 0))
+        if self.step.get("barrier wait"):
+            self.waits += 1
+        self.step.clear()
+
+    def median_us(self, name: str) -> float:
+        values = self.samples.get(name)
+        return statistics.median(values) / 1e3 if values else 0.0
+
+    def mean_us(self, name: str) -> float:
+        values = self.samples.get(name)
+        return sum(values) / len(values) / 1e3 if values else 0.0
+
+
+@contextmanager
+def timed(parts: Parts) -> Iterator[None]:
+    """Wrap the functions of `_TIMED` so each call adds its thread CPU time to ``parts``."""
+    originals = []
+    clock = time.thread_time_ns
+    wall = time.perf_counter_ns
+
+    def wrapper(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0, w0 = clock(), wall()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts.step[name] += clock() - t0
+                if name == "hand-off":
+                    parts.step["hand-off wall"] += wall() - w0
+
+        return call
+
+    for owner, attr, name in _TIMED:
+        fn = owner.__dict__[attr]
+        originals.append((owner, attr, fn))
+        setattr(owner, attr, wrapper(fn, name))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+
+
+@contextmanager
+def no_hand_off() -> Iterator[None]:
+    """The diagnostic variant: a step's write job runs at once on this thread, pool write skipped."""
+    submit, write_pool = _committer.Committer.submit, _committer.Committer._write_pool
+
+    def run_here(self: _committer.Committer, job: _committer.WriteJob) -> None:
+        if self._claim(job):
+            self.run(job)
+
+    _committer.Committer.submit = run_here  # type: ignore[method-assign]
+    _committer.Committer._write_pool = lambda self, job: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _committer.Committer.submit = submit  # type: ignore[method-assign]
+        _committer.Committer._write_pool = write_pool  # type: ignore[method-assign]
+
+
+def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -> Parts:
+    """One fresh manager through the glue; the parts of every step after the warm-up."""
+    hidden = torch.randn(CAPACITY, WIDTH).to(DTYPE)
+    mm = torch.randn(CAPACITY, MM_WIDTH).to(DTYPE)
+    parts = Parts()
+    threaded = variant != "inline"
+    with VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue:
+        hand_off = no_hand_off() if variant == "no hand-off (diagnostic)" else _nothing()
+        with hand_off, timed(parts):
+            for i, step in enumerate(setup + steps):
+                n = step.rows
+                t0 = time.thread_time_ns()
+                glue.step_begin(step.so)
+                sid = glue.save(
+                    hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n
+                )
+                total = time.thread_time_ns() - t0
+                if i < len(setup):
+                    glue.discard_step(sid)
+                    parts.step.clear()
+                    continue
+                parts.step["total"] = total
+                if i < len(setup) + warmup:
+                    parts.step.clear()
+                else:
+                    parts.close_step()
+                glue.materialize(sid, step.order)
+                parts.step.clear()  # the consume's own core and wait calls are not the step's
+    return parts
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warmup = 5
+    setup, steps = decode_steps(args.steps + warmup, random.Random(0), shuffle=False)
+    variants = ("threaded", "inline", "no hand-off (diagnostic)")
+    rounds: dict[str, list[Parts]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for variant in variants:
+            rounds[variant].append(run_round(setup, steps, warmup, variant))
+    print(
+        f"torch {torch.__version__}, CPU, one intra-op thread; decode 256 x 1 through the glue, "
+        f"order kept; engine-thread CPU us per step, median of the round with the least total "
+        f"({args.rounds} rounds of {args.steps} steps per variant, alternating)"
+    )
+    columns = (
+        "total",
+        "glue begin",
+        "manager start",
+        "glue save",
+        "manager save",
+        "landing copy",
+        "hand-off",
+        "pool write",
+        "barrier wait",
+        "core",
+        "rest",
+    )
+    print(f"{'variant':<26}" + "".join(f"{c:>14}" for c in columns) + "   rounds (total)")
+    for variant in variants:
+        best = min(rounds[variant], key=lambda p: p.median_us("total"))
+        m = best.median_us
+        figures = {
+            "total": m("total"),
+            "glue begin": m("glue begin+") - m("manager start"),
+            "manager start": m("manager start"),
+            "glue save": m("glue save+") - m("manager save"),
+            "manager save": m("manager save"),
+            "landing copy": m("landing copy"),
+            "hand-off": m("hand-off"),
+            "pool write": m("pool write"),
+            "barrier wait": best.mean_us("barrier wait"),
+            "core": m("core"),
+        }
+        figures["rest"] = figures["manager save"] - sum(
+            figures[k] for k in ("landing copy", "hand-off", "pool write", "barrier wait", "core")
+        )
+        spread = ", ".join(f"{p.median_us('total'):.0f}" for p in rounds[variant])
+        print(f"{variant:<26}" + "".join(f"{figures[c]:>14.1f}" for c in columns) + f"   {spread}")
+        if variant == "threaded":
+            print(
+                f"{'':<26}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
+                f"{best.waits} of {len(best.samples['total'])} steps"
+            )
+
+
+if __name__ == "__main__":
+    main()
