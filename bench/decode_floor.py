@@ -30,7 +30,8 @@ apart, as in `vllm_glue.py`):
   its pool write skipped: no wake-up of the committer, no concurrent writer, no barrier wait.
   Not a configuration (the pool never gets the rows); it shows the engine thread's own work, so
   the difference to `threaded` is what handing the write to another thread costs on this
-  machine.
+  machine. Its `hand-off` column is the write job run here without its pool write (its
+  reports).
 
 The wrappers add about a microsecond per wrapped call; the `total` column is measured around
 `step_begin` + `save` without them being subtracted, so compare totals with each other, not with
@@ -49,7 +50,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,7 @@ def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -
     parts = Parts()
     threaded = variant != "inline"
     with VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue:
-        hand_off = no_hand_off() if variant == "no hand-off (diagnostic)" else _nothing()
+        hand_off = no_hand_off() if variant == "no hand-off (diagnostic)" else nullcontext()
         with hand_off, timed(parts):
             for i, step in enumerate(setup + steps):
                 n = step.rows
@@ -183,11 +184,6 @@ def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -
                 glue.materialize(sid, step.order)
                 parts.step.clear()  # the consume's own core and wait calls are not the step's
     return parts
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ landing buffer; target <= 250 us) and the CPU time of `materialize` of the same 
 <= 300 us), timed apart on the same thread; `+ read` adds reading every request's hidden and mm
 rows once (what an output builder such as the export does; `materialize` makes per-request views
 only when they are read). Medians per round; the quietest round is printed, then every round.
+`decode_floor.py` splits the decode cycle's figure into its parts.
 
 Run: python bench/vllm_glue.py [--steps N] [--rounds R]
 """
