@@ -20,11 +20,17 @@ medians per step:
   - `core`: `CacheCore.save_begin`, `save_proceed` and `save_commit`;
   - `rest`: the adapter's own checks, contexts and bookkeeping (the difference).
 
-Three variants run in alternating rounds (each a fresh manager, order of rows kept from step to
+Four variants run in alternating rounds (each a fresh manager, order of rows kept from step to
 step as vLLM's input batch keeps it; materialize right after each save on the same thread, timed
-apart, as in `vllm_glue.py`):
+apart, as in `vllm_glue.py`). The engine thread is pinned to the first CPU in every variant, and
+the threads the manager starts inherit that or are moved, so where each thread runs is fixed:
 
-- `threaded`: the configuration measured by `vllm_glue.py`: the committer thread writes the pool;
+- `threaded, two vCPUs`: the configuration measured by `vllm_glue.py`, the committer thread
+  pinned to a second CPU: the write runs beside the engine thread;
+- `threaded, one vCPU`: the same, with the committer on the engine thread's CPU. The scheduler
+  picks either placement on its own from run to run, and the engine thread's CPU time differs
+  by up to 1.7 x between them: here the committer's work does not show in the engine thread's
+  CPU time but takes its CPU, so its wall time grows instead;
 - `inline`: the pool write on the engine thread (D27's direct write, no page copy, no thread);
 - `no hand-off (diagnostic)`: threaded, but the step's write job runs on the engine thread with
   its pool write skipped: no wake-up of the committer, no concurrent writer, no barrier wait.
@@ -32,6 +38,10 @@ apart, as in `vllm_glue.py`):
   the difference to `threaded` is what handing the write to another thread costs on this
   machine. Its `hand-off` column is the write job run here without its pool write (its
   reports).
+
+Beside the parts, two whole-step figures: `wall` of `step_begin` + `save` (what the engine
+waits for), and `process` CPU per step (`time.process_time` over `step_begin`, `save` and
+`materialize`: every thread's work for the step, the committer's included).
 
 The wrappers add about a microsecond per wrapped call; the `total` column is measured around
 `step_begin` + `save` without them being subtracted, so compare totals with each other, not with
@@ -45,6 +55,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import os
 import random
 import statistics
 import sys
@@ -161,29 +172,55 @@ def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -
     mm = torch.randn(CAPACITY, MM_WIDTH).to(DTYPE)
     parts = Parts()
     threaded = variant != "inline"
-    with VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue:
-        hand_off = no_hand_off() if variant == "no hand-off (diagnostic)" else nullcontext()
-        with hand_off, timed(parts):
-            for i, step in enumerate(setup + steps):
-                n = step.rows
-                t0 = time.thread_time_ns()
-                glue.step_begin(step.so)
-                sid = glue.save(
-                    hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n
-                )
-                total = time.thread_time_ns() - t0
-                if i < len(setup):
-                    glue.discard_step(sid)
-                    parts.step.clear()
-                    continue
-                parts.step["total"] = total
-                if i < len(setup) + warmup:
-                    parts.step.clear()
-                else:
-                    parts.close_step()
-                glue.materialize(sid, step.order)
-                parts.step.clear()  # the consume's own core and wait calls are not the step's
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus[:1])  # this thread, and the threads the manager starts
+    try:
+        with VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue:
+            committer = glue.manager._state.committer._thread
+            if variant == "threaded, two vCPUs" and committer is not None:
+                assert committer.native_id is not None
+                os.sched_setaffinity(committer.native_id, cpus[1:2])
+            _steps(glue, parts, setup, steps, warmup, variant, hidden, mm)
+    finally:
+        os.sched_setaffinity(0, cpus)
     return parts
+
+
+def _steps(
+    glue: VllmPrefixCache,
+    parts: Parts,
+    setup: list[Step],
+    steps: list[Step],
+    warmup: int,
+    variant: str,
+    hidden: torch.Tensor,
+    mm: torch.Tensor,
+) -> None:
+    """Run the setup and the timed steps of one round, adding each step's parts to ``parts``."""
+    hand_off = no_hand_off() if variant == "no hand-off (diagnostic)" else nullcontext()
+    with hand_off, timed(parts):
+        for i, step in enumerate(setup + steps):
+            n = step.rows
+            p0, w0 = time.process_time_ns(), time.perf_counter_ns()
+            t0 = time.thread_time_ns()
+            glue.step_begin(step.so)
+            sid = glue.save(hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n)
+            total = time.thread_time_ns() - t0
+            wall = time.perf_counter_ns() - w0
+            if i < len(setup):
+                glue.discard_step(sid)
+                parts.step.clear()
+                continue
+            step_parts = dict(parts.step, total=total, wall=wall)
+            parts.step.clear()
+            glue.materialize(sid, step.order)
+            # The consume's own core and wait calls are not the step's parts.
+            parts.step.clear()
+            parts.step.update(step_parts, process=time.process_time_ns() - p0)
+            if i < len(setup) + warmup:
+                parts.step.clear()
+            else:
+                parts.close_step()
 
 
 def main() -> None:
@@ -194,18 +231,27 @@ def main() -> None:
     torch.set_num_threads(1)
     warmup = 5
     setup, steps = decode_steps(args.steps + warmup, random.Random(0), shuffle=False)
-    variants = ("threaded", "inline", "no hand-off (diagnostic)")
+    two = len(os.sched_getaffinity(0)) >= 2
+    variants = (
+        *(("threaded, two vCPUs",) if two else ()),
+        "threaded, one vCPU",
+        "inline",
+        "no hand-off (diagnostic)",
+    )
     rounds: dict[str, list[Parts]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for variant in variants:
             rounds[variant].append(run_round(setup, steps, warmup, variant))
     print(
         f"torch {torch.__version__}, CPU, one intra-op thread; decode 256 x 1 through the glue, "
-        f"order kept; engine-thread CPU us per step, median of the round with the least total "
-        f"({args.rounds} rounds of {args.steps} steps per variant, alternating)"
+        f"order kept; us per step (engine-thread CPU, but for wall and process), median of the "
+        f"round with the least total ({args.rounds} rounds of {args.steps} steps per variant, "
+        f"alternating)"
     )
     columns = (
         "total",
+        "wall",
+        "process",
         "glue begin",
         "manager start",
         "glue save",
@@ -218,11 +264,14 @@ def main() -> None:
         "rest",
     )
     print(f"{'variant':<26}" + "".join(f"{c:>14}" for c in columns) + "   rounds (total)")
+    print(f"{'':<26}" + "".join(f"{c:>14}" for c in ("engine CPU", "engine wall", "all threads")))
     for variant in variants:
         best = min(rounds[variant], key=lambda p: p.median_us("total"))
         m = best.median_us
         figures = {
             "total": m("total"),
+            "wall": m("wall"),
+            "process": m("process"),
             "glue begin": m("glue begin+") - m("manager start"),
             "manager start": m("manager start"),
             "glue save": m("glue save+") - m("manager save"),
@@ -238,7 +287,7 @@ def main() -> None:
         )
         spread = ", ".join(f"{p.median_us('total'):.0f}" for p in rounds[variant])
         print(f"{variant:<26}" + "".join(f"{figures[c]:>14.1f}" for c in columns) + f"   {spread}")
-        if variant == "threaded":
+        if variant.startswith("threaded"):
             print(
                 f"{'':<26}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
                 f"{best.waits} of {len(best.samples['total'])} steps"
