@@ -25,8 +25,8 @@ step as vLLM's input batch keeps it; materialize right after each save on the sa
 apart, as in `vllm_glue.py`). The engine thread is pinned to the first CPU in every variant, and
 the threads the manager starts inherit that or are moved, so where each thread runs is fixed:
 
-- `threaded, two vCPUs`: the configuration measured by `vllm_glue.py`, the committer thread
-  pinned to a second CPU: the write runs beside the engine thread;
+- `threaded, two vCPUs`: `vllm_glue.py`'s threaded configuration, the committer thread pinned
+  to a second CPU: the write runs beside the engine thread (left out on a single CPU);
 - `threaded, one vCPU`: the same, with the committer on the engine thread's CPU. The scheduler
   picks either placement on its own from run to run, and the engine thread's CPU time differs
   by up to 1.7 x between them: here the committer's work does not show in the engine thread's
@@ -35,8 +35,8 @@ the threads the manager starts inherit that or are moved, so where each thread r
 - `no hand-off (diagnostic)`: threaded, but the step's write job runs on the engine thread with
   its pool write skipped: no wake-up of the committer, no concurrent writer, no barrier wait.
   Not a configuration (the pool never gets the rows); it shows the engine thread's own work, so
-  the difference to `threaded` is what handing the write to another thread costs on this
-  machine. Its `hand-off` column is the write job run here without its pool write (its
+  the difference to `threaded, two vCPUs` is what handing the write to another thread costs on
+  this machine. Its `hand-off` column is the write job run here without its pool write (its
   reports).
 
 Beside the parts, two whole-step figures: `wall` of `step_begin` + `save` (what the engine
@@ -46,6 +46,8 @@ waits for), and `process` CPU per step (`time.process_time` over `step_begin`, `
 The wrappers add about a microsecond per wrapped call; the `total` column is measured around
 `step_begin` + `save` without them being subtracted, so compare totals with each other, not with
 `vllm_glue.py`'s figure to the microsecond.
+
+Linux only (thread placement by `os.sched_setaffinity`).
 
 Run: python bench/decode_floor.py [--steps N] [--rounds R]
 """
