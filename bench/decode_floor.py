@@ -154,12 +154,7 @@ def timed(parts: Parts) -> Iterator[None]:
 def no_hand_off() -> Iterator[None]:
     """The diagnostic variant: a step's write job runs at once on this thread, pool write skipped."""
     submit, write_pool = _committer.Committer.submit, _committer.Committer._write_pool
-
-    def run_here(self: _committer.Committer, job: _committer.WriteJob) -> None:
-        if self._claim(job):
-            self.run(job)
-
-    _committer.Committer.submit = run_here  # type: ignore[method-assign]
+    _committer.Committer.submit = _committer.Committer.run_now  # type: ignore[method-assign]
     _committer.Committer._write_pool = lambda self, job: None  # type: ignore[method-assign]
     try:
         yield
@@ -214,14 +209,11 @@ def _steps(
                 parts.step.clear()
                 continue
             step_parts = dict(parts.step, total=total, wall=wall)
-            parts.step.clear()
             glue.materialize(sid, step.order)
             # The consume's own core and wait calls are not the step's parts.
             parts.step.clear()
-            parts.step.update(step_parts, process=time.process_time_ns() - p0)
-            if i < len(setup) + warmup:
-                parts.step.clear()
-            else:
+            if i >= len(setup) + warmup:
+                parts.step.update(step_parts, process=time.process_time_ns() - p0)
                 parts.close_step()
 
 

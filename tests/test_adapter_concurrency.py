@@ -336,14 +336,7 @@ def test_a_cpu_step_write_wakes_its_waiters_once(deferred: bool) -> None:
     """TASK-6: every stage is published before the waiters are woken. A CPU step write has no
     copy stage, so its waiters are woken once, when it is written; a deferred write wakes them
     after its copy stage too (the save barrier awaits an escalated one at HOST_READY)."""
-    pool = HostPool(8, pin=False)
-    pages = StagingPages(1, 4, pin=False)
-    shape = KeyShape(features=(2,), dtype=torch.int64)
-    pool.install(CODES, shape, pool.allocate(shape))
-    pages.install(CODES, pages.allocate(shape, CODES))
-    reports: collections.deque[Any] = collections.deque()
-    signal = Signal()
-    committer = Committer(pool, pages, reports, signal, threaded=False, copy_chunk_bytes=64)
+    pool, reports, committer = _bare_committer(threaded=False)
     rows = torch.arange(6, dtype=torch.int64).reshape(3, 2) + 10
     slots = torch.tensor([5, 1, 6])
     if deferred:
@@ -352,25 +345,26 @@ def test_a_cpu_step_write_wakes_its_waiters_once(deferred: bool) -> None:
         committer.escalate([job])
     else:
         job = WriteJob(Tid(7), (CODES,), page=0, slots=slots)
-        pages.rows(CODES, 0, 3).copy_(rows)
+        committer.pages.rows(CODES, 0, 3).copy_(rows)
         committer.submit(job)
     assert [type(r) for r in reports] == [CopyStarted, CopyLanded, WriteLanded]
-    assert signal.generation == (2 if deferred else 1)
+    assert committer.signal.generation == (2 if deferred else 1)
     assert pool.tensors[CODES][[5, 1, 6]].tolist() == rows.tolist()
 
 
 CODES = TensorName("codes.audio")
 
 
-def _bare_committer() -> tuple[HostPool, collections.deque[Any], Committer]:
-    """A threaded committer over a pool of 8 slots with one key (two int64 per row)."""
+def _bare_committer(*, threaded: bool = True) -> tuple[HostPool, collections.deque[Any], Committer]:
+    """A committer over a pool of 8 slots and one page of 4 rows, with one key (two int64 per
+    row)."""
     pool = HostPool(8, pin=False)
+    pages = StagingPages(1, 4, pin=False)
     shape = KeyShape(features=(2,), dtype=torch.int64)
     pool.install(CODES, shape, pool.allocate(shape))
+    pages.install(CODES, pages.allocate(shape, CODES))
     reports: collections.deque[Any] = collections.deque()
-    committer = Committer(
-        pool, StagingPages(1, 4, pin=False), reports, Signal(), threaded=True, copy_chunk_bytes=64
-    )
+    committer = Committer(pool, pages, reports, Signal(), threaded=threaded, copy_chunk_bytes=64)
     return pool, reports, committer
 
 
