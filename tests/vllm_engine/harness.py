@@ -35,6 +35,14 @@ HIDDEN = 256
 VOCAB = 512
 MAX_MODEL_LEN = 192
 
+#: Rounding, as (absolute, relative) bounds for ``torch.allclose``: the same engine computes a
+#: position in a prefill chunk, a decode step, a draft or a recompute, through other attention
+#: kernels and with other batch neighbours, so the sums run in another order. float32 rows
+#: differ by 2e-6 on an AVX-512 Xeon here and by 3e-5 on another CI machine's kernels; 2**-12
+#: leaves a margin of 8 and still sits three orders below a wrong row (rows are of order 1).
+#: bfloat16 rows differ by one of its ulps (2**-7 relative), so two are allowed.
+TOLERANCE = {"float32": (2**-12, 2**-12), "bfloat16": (2**-6, 2**-6)}
+
 
 def build_model(
     folder: str, *, seed: int = 0, hidden: int = HIDDEN, layers: int = 2, vocab: int = VOCAB

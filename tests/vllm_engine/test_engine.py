@@ -31,10 +31,6 @@ from omni_cache_cuda.vllm._export import ENDED_BY_ENGINE, ENDED_BY_SHUTDOWN  # n
 from tests.vllm_engine import harness as h  # noqa: E402
 from tests.vllm_engine.sinks import FOLDER_ENV  # noqa: E402
 
-#: Rounding, as (absolute, relative) bounds: the same engine computes a position in a prefill
-#: chunk, a decode step or a recompute, with other batch neighbours. float32 rows differ by a
-#: few of its ulps; bfloat16 rows by one of its (2**-7 relative), so two are allowed.
-TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (2**-6, 2**-6)}
 SINK = "tests.vllm_engine.sinks:record"
 FAILING_SINK = "tests.vllm_engine.sinks:failing"
 
@@ -96,7 +92,7 @@ def compare(
         assert rows.hidden_states is not None and rows.hidden_states.shape == (n, h.HIDDEN)
         assert rows.hidden_states.dtype == getattr(torch, dtype)
         got, want = rows.hidden_states.float(), reference[:n].float()
-        atol, rtol = TOLERANCE[dtype]
+        atol, rtol = h.TOLERANCE[dtype]
         diff = (got - want).abs().max().item()
         assert torch.allclose(got, want, atol=atol, rtol=rtol), f"{req}: rows differ by {diff}"
         figures["largest_difference"] = max(figures["largest_difference"], diff)

@@ -47,7 +47,6 @@ SPECULATIVE = {
     "prompt_lookup_max": 4,
     "prompt_lookup_min": 2,
 }
-ATOL = RTOL = 1e-5  # float32: a position computed as a draft, a decode or a prefill row
 SINK = "tests.vllm_engine.sinks:record"
 DRAFT_COUNTERS = (
     "draft_rows",
@@ -133,8 +132,9 @@ def test_rows_under_ngram_speculation_equal_the_recompute(run: dict[str, Any]) -
         assert rows.hidden_states is not None and rows.hidden_states.dtype == torch.float32
         m = min(n, tokens)  # rows past the last token: the next test
         got, want = rows.hidden_states[:m], reference[:m]
+        atol, rtol = h.TOLERANCE["float32"]
         diff = (got - want).abs().max().item()
-        assert torch.allclose(got, want, atol=ATOL, rtol=RTOL), f"{req}: rows differ by {diff}"
+        assert torch.allclose(got, want, atol=atol, rtol=rtol), f"{req}: rows differ by {diff}"
         # The callable sink got the same rows, span after span.
         record = torch.load(os.path.join(run["callback_dir"], rows.request_id + ".pt"))
         spans = record["spans"]
