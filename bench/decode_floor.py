@@ -20,7 +20,7 @@ medians per step:
   - `core`: `CacheCore.save_begin`, `save_proceed` and `save_commit`;
   - `rest`: the adapter's own checks, contexts and bookkeeping (the difference).
 
-Four variants run in alternating rounds (each a fresh manager, order of rows kept from step to
+Five variants run in alternating rounds (each a fresh manager, order of rows kept from step to
 step as vLLM's input batch keeps it; materialize right after each save on the same thread, timed
 apart, as in `vllm_glue.py`). The engine thread is pinned to the first CPU in every variant, and
 the threads the manager starts inherit that or are moved, so where each thread runs is fixed:
@@ -37,7 +37,13 @@ the threads the manager starts inherit that or are moved, so where each thread r
   Not a configuration (the pool never gets the rows); it shows the engine thread's own work, so
   the difference to `threaded, two vCPUs` is what handing the write to another thread costs on
   this machine. Its `hand-off` column is the write job run here without its pool write (its
-  reports).
+  reports);
+- `no hand-off, narrow rows (diagnostic)`: the same with hidden states of width 16 instead of
+  2048 (16 KiB a step instead of 1 MiB): the same calls, the same Python and the same arrays
+  of 256 requests, but rows too small to evict the caches the Python runs from. The
+  difference to the row above, less its landing copy, is what a step's own rows passing
+  through the caches (the landing copy here, the materialize's copy out before it) costs the
+  rest of the engine thread's work.
 
 Beside the parts, two whole-step figures: `wall` of `step_begin` + `save` (what the engine
 waits for), and `process` CPU per step (`time.process_time` over `step_begin`, `save` and
@@ -78,6 +84,10 @@ from omni_cache_core import _core
 from omni_cache_cuda import _committer, _manager, _save_path, _state
 from omni_cache_cuda.vllm import VllmPrefixCache
 from omni_cache_cuda.vllm import _glue as glue_module
+
+NO_HAND_OFF = "no hand-off (diagnostic)"
+NARROW = "no hand-off, narrow rows (diagnostic)"
+NARROW_WIDTH = 16
 
 #: (owner, attribute, part name): the functions timed; a part's figure is its inclusive time.
 _TIMED: tuple[tuple[Any, str, str], ...] = (
@@ -165,7 +175,8 @@ def no_hand_off() -> Iterator[None]:
 
 def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -> Parts:
     """One fresh manager through the glue; the parts of every step after the warm-up."""
-    hidden = torch.randn(CAPACITY, WIDTH).to(DTYPE)
+    width = NARROW_WIDTH if variant == NARROW else WIDTH
+    hidden = torch.randn(CAPACITY, width).to(DTYPE)
     mm = torch.randn(CAPACITY, MM_WIDTH).to(DTYPE)
     parts = Parts()
     threaded = variant != "inline"
@@ -194,7 +205,7 @@ def _steps(
     mm: torch.Tensor,
 ) -> None:
     """Run the setup and the timed steps of one round, adding each step's parts to ``parts``."""
-    hand_off = no_hand_off() if variant == "no hand-off (diagnostic)" else nullcontext()
+    hand_off = no_hand_off() if variant in (NO_HAND_OFF, NARROW) else nullcontext()
     with hand_off, timed(parts):
         for i, step in enumerate(setup + steps):
             n = step.rows
@@ -230,7 +241,8 @@ def main() -> None:
         *(("threaded, two vCPUs",) if two else ()),
         "threaded, one vCPU",
         "inline",
-        "no hand-off (diagnostic)",
+        NO_HAND_OFF,
+        NARROW,
     )
     rounds: dict[str, list[Parts]] = {v: [] for v in variants}
     for _ in range(args.rounds):
@@ -257,8 +269,8 @@ def main() -> None:
         "core",
         "rest",
     )
-    print(f"{'variant':<26}" + "".join(f"{c:>14}" for c in columns) + "   rounds (total)")
-    print(f"{'':<26}" + "".join(f"{c:>14}" for c in ("engine CPU", "engine wall", "all threads")))
+    print(f"{'variant':<38}" + "".join(f"{c:>14}" for c in columns) + "   rounds (total)")
+    print(f"{'':<38}" + "".join(f"{c:>14}" for c in ("engine CPU", "engine wall", "all threads")))
     for variant in variants:
         best = min(rounds[variant], key=lambda p: p.median_us("total"))
         m = best.median_us
@@ -280,10 +292,10 @@ def main() -> None:
             figures[k] for k in ("landing copy", "hand-off", "pool write", "barrier wait", "core")
         )
         spread = ", ".join(f"{p.median_us('total'):.0f}" for p in rounds[variant])
-        print(f"{variant:<26}" + "".join(f"{figures[c]:>14.1f}" for c in columns) + f"   {spread}")
+        print(f"{variant:<38}" + "".join(f"{figures[c]:>14.1f}" for c in columns) + f"   {spread}")
         if variant.startswith("threaded"):
             print(
-                f"{'':<26}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
+                f"{'':<38}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
                 f"{best.waits} of {len(best.samples['total'])} steps"
             )
 
