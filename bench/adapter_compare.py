@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STEP_SCRIPT = ROOT / "bench" / "adapter_step.py"
 #: A result row of adapter_step.py: name, wall, p90, engine, cpu, copy3, x copy3, copy1, ...
-#: (ms). The revision's run is this tree's script, so the columns are the same for both.
+#: (ms). The revision's run is this tree's script, so the columns are the same for both. The
+#: diagnostic row (`inline, no prefetch`) does not match: the four configurations are compared.
 ROW = re.compile(
     r"^(?P<name>(?:decode|prefill).*?(?:inline|threaded))\s+(?P<wall>[\d.]+)\s+[\d.]+\s+"
     r"(?P<engine>[\d.]+)\s+(?P<cpu>[\d.]+)\s+(?P<copy>[\d.]+)\s+[\d.]+\s+(?P<copy1>[\d.]+)",
