@@ -85,6 +85,9 @@ from omni_cache_cuda import _committer, _manager, _save_path, _state
 from omni_cache_cuda.vllm import VllmPrefixCache
 from omni_cache_cuda.vllm import _glue as glue_module
 
+TWO_VCPUS = "threaded, two vCPUs"
+ONE_VCPU = "threaded, one vCPU"
+INLINE = "inline"
 NO_HAND_OFF = "no hand-off (diagnostic)"
 NARROW = "no hand-off, narrow rows (diagnostic)"
 NARROW_WIDTH = 16
@@ -179,13 +182,13 @@ def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -
     hidden = torch.randn(CAPACITY, width).to(DTYPE)
     mm = torch.randn(CAPACITY, MM_WIDTH).to(DTYPE)
     parts = Parts()
-    threaded = variant != "inline"
+    threaded = variant != INLINE
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cpus[:1])  # this thread, and the threads the manager starts
     try:
         with VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue:
             committer = glue.manager._state.committer._thread
-            if variant == "threaded, two vCPUs" and committer is not None:
+            if variant == TWO_VCPUS and committer is not None:
                 assert committer.native_id is not None
                 os.sched_setaffinity(committer.native_id, cpus[1:2])
             _steps(glue, parts, setup, steps, warmup, variant, hidden, mm)
@@ -238,9 +241,9 @@ def main() -> None:
     setup, steps = decode_steps(args.steps + warmup, random.Random(0), shuffle=False)
     two = len(os.sched_getaffinity(0)) >= 2
     variants = (
-        *(("threaded, two vCPUs",) if two else ()),
-        "threaded, one vCPU",
-        "inline",
+        *((TWO_VCPUS,) if two else ()),
+        ONE_VCPU,
+        INLINE,
         NO_HAND_OFF,
         NARROW,
     )
@@ -293,7 +296,7 @@ def main() -> None:
         )
         spread = ", ".join(f"{p.median_us('total'):.0f}" for p in rounds[variant])
         print(f"{variant:<38}" + "".join(f"{figures[c]:>14.1f}" for c in columns) + f"   {spread}")
-        if variant.startswith("threaded"):
+        if variant in (TWO_VCPUS, ONE_VCPU):
             print(
                 f"{'':<38}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
                 f"{best.waits} of {len(best.samples['total'])} steps"
