@@ -147,6 +147,7 @@ class Finished:
 
     tokens: tuple[int, ...]  # prompt and outputs
     prompt_len: int
+    max_tokens: int
     finish_reason: str | None
 
 
@@ -170,15 +171,17 @@ def drive(
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         engine_.add_request(f"r{i}", {"prompt_token_ids": list(prompt)}, params)
-        seen[f"r{i}"] = Finished(tokens=prompt, prompt_len=len(prompt), finish_reason=None)
+        seen[f"r{i}"] = Finished(
+            tokens=prompt, prompt_len=len(prompt), max_tokens=n, finish_reason=None
+        )
     pending = dict(abort_at or {})
     step = 0
     while engine_.has_unfinished_requests():
         for out in engine_.step():
             was = seen[out.request_id]
-            seen[out.request_id] = Finished(
+            seen[out.request_id] = attrs.evolve(
+                was,
                 tokens=(*was.tokens[: was.prompt_len], *out.outputs[0].token_ids),
-                prompt_len=was.prompt_len,
                 finish_reason=out.outputs[0].finish_reason if out.finished else None,
             )
         step += 1
