@@ -13,7 +13,7 @@ their parts, each this thread's CPU time:
   `ConsumePath._build`);
 - `copy1 write` and `copy1 gather`: the one-copy baseline's two halves, on the same step.
 
-Then three probes, run on each cycle's own plan right before its build (in rotating order, so
+Then four probes, run on each cycle's own plan right before its build (in rotating order, so
 no probe always meets the pool rows cold), each doing only the hidden key's gathers:
 
 - `same gathers, fresh buffers`: the build's gathers (one for the requests without a hit, a
@@ -84,7 +84,7 @@ COLUMNS = (
 
 
 class Probes:
-    """The hidden key's gathers of one consume, done three ways outside the cache."""
+    """The hidden key's gathers of one consume, done four ways outside the cache."""
 
     def __init__(self, samples: dict[str, list[int]]) -> None:
         self.samples = samples
