@@ -52,6 +52,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from omni_cache_cuda import (
@@ -129,16 +130,24 @@ class CopyBaseline:
             if hits:
                 torch.index_select(pool, 0, hit_slots, out=out[n:])
         t1 = time.process_time()
-        for src, pool, pool_bytes, buffer in zip(
-            rows, self.pools, self.pool_bytes, self.outs, strict=True
-        ):
-            pool_bytes[index] = row_bytes(src[:n])
+        self.write_one_copy(rows, index)
+        self.gather_one_copy(slots, hit_slots)
+        t2 = time.process_time()
+        return t1 - t0, t2 - t1
+
+    def write_one_copy(self, rows: tuple[torch.Tensor, torch.Tensor], index: np.ndarray) -> None:
+        """The one-copy path's write: the step's rows into the pools at their slots."""
+        for src, pool_bytes in zip(rows, self.pool_bytes, strict=True):
+            pool_bytes[index] = row_bytes(src[: len(index)])
+
+    def gather_one_copy(self, slots: torch.Tensor, hit_slots: torch.Tensor) -> None:
+        """The one-copy path's read: every returned row gathered out of the pools once."""
+        n, hits = len(slots), len(hit_slots)
+        for pool, buffer in zip(self.pools, self.outs, strict=True):
             out = buffer[: n + hits]
             torch.index_select(pool, 0, slots, out=out[:n])
             if hits:
                 torch.index_select(pool, 0, hit_slots, out=out[n:])
-        t2 = time.process_time()
-        return t1 - t0, t2 - t1
 
 
 class Samples:

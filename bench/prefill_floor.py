@@ -56,7 +56,7 @@ from adapter_step import CAPACITY, DTYPE, WIDTH, CopyBaseline, bench_prefill
 
 from omni_cache_core import HIDDEN_KEY
 from omni_cache_cuda import _consume_path, _manager, _save_path
-from omni_cache_cuda._storage import alloc_host, empty_rows, row_bytes
+from omni_cache_cuda._storage import alloc_host, empty_rows
 
 _TIMED = (
     (_manager.OmniPrefixCacheManager, "new_step_starts", "start"),
@@ -146,7 +146,8 @@ def instrumented(samples: dict[str, list[int]]) -> Iterator[None]:
     """Time the parts of every cycle; probe each consume's gathers; split the baseline."""
     step: collections.Counter[str] = collections.Counter()
     probes = Probes(samples)
-    originals: list[tuple[Any, str, Any]] = []
+    run = CopyBaseline.run
+    originals: list[tuple[Any, str, Any]] = [(CopyBaseline, "run", run)]
 
     def wrapper(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -171,15 +172,10 @@ def instrumented(samples: dict[str, list[int]]) -> Iterator[None]:
         for name, value in step.items():
             samples[name].append(value)
         step.clear()
-        n, index = len(slots), slots.numpy()
         t0 = time.thread_time_ns()
-        for src, pool_bytes in zip(rows, self.pool_bytes, strict=True):
-            pool_bytes[index] = row_bytes(src[:n])
+        self.write_one_copy(rows, slots.numpy())
         t1 = time.thread_time_ns()
-        for pool, buffer in zip(self.pools, self.outs, strict=True):
-            out = buffer[: n + len(hit_slots)]
-            torch.index_select(pool, 0, slots, out=out[:n])
-            torch.index_select(pool, 0, hit_slots, out=out[n:])
+        self.gather_one_copy(slots, hit_slots)
         t2 = time.thread_time_ns()
         samples["copy1 write"].append(t1 - t0)
         samples["copy1 gather"].append(t2 - t1)
@@ -189,8 +185,6 @@ def instrumented(samples: dict[str, list[int]]) -> Iterator[None]:
         fn = owner.__dict__[attr]
         originals.append((owner, attr, fn))
         setattr(owner, attr, wrapper(fn, name))
-    run = CopyBaseline.run
-    originals.append((CopyBaseline, "run", run))
     CopyBaseline.run = baseline  # type: ignore[method-assign]
     try:
         yield
