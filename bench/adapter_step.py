@@ -281,7 +281,7 @@ def bench_prefill(
             scheduled: dict[str, int] = {}
             computed: dict[str, int] = {}
             block_ids: dict[str, list[int]] = {}
-            hit_slots = []
+            hit_slots: list[int] = []
             for i, r in enumerate(reqs):
                 if next_block + blocks_per_req > NUM_BLOCKS:
                     next_block = hit_blocks  # recycle every block but the shared prefix

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,20 +51,39 @@ from omni_cache_core._values import (
     WriteLanded,
 )
 
+if TYPE_CHECKING:
+    # Typing only: core_compare.py runs this file against older cores too.
+    from omni_cache_core import StepId
+    from omni_cache_core._values import SlotArray
+
 NUM_BLOCKS = 16384
 BLOCK_SIZE = 16
 MM_KEY = TensorName("talker.h")
 KEYS = (HIDDEN_KEY, MM_KEY)
 
 
-def cycle(core: CacheCore, step: PrefixCacheStep, req_ids, bounds, slots) -> None:
+def cycle(
+    core: CacheCore,
+    step: PrefixCacheStep,
+    req_ids: tuple[ReqId, ...],
+    bounds: SlotArray,
+    slots: SlotArray,
+) -> None:
     """One whole step cycle as an inline adapter drives it."""
     core.start_step(StartStep(step=step, now_ns=0))
     _consume(core, _save(core, req_ids, bounds, slots), req_ids)
 
 
-def _save(core: CacheCore, req_ids, bounds, slots, drafts=None):
+def _save(
+    core: CacheCore,
+    req_ids: tuple[ReqId, ...],
+    bounds: SlotArray,
+    slots: SlotArray,
+    drafts: SlotArray | None = None,
+) -> StepId:
     """A save, its page claim and its write landing; returns the step id."""
+    # Only when given: core_compare.py runs this code against revisions without drafts.
+    drafts_arg: dict[str, Any] = {} if drafts is None else {"drafts": drafts}
     core.save_begin(
         SaveBegin(
             now_ns=0,
@@ -73,8 +93,7 @@ def _save(core: CacheCore, req_ids, bounds, slots, drafts=None):
             num_tokens=len(slots),
             immediate_keys=KEYS,
             immediate_bytes=len(slots) * 4096,
-            # Only when given: core_compare.py runs this code against revisions without drafts.
-            **({} if drafts is None else {"drafts": drafts}),
+            **drafts_arg,
         )
     )
     effect = core.save_proceed(SaveProceed(now_ns=0))
@@ -88,7 +107,7 @@ def _save(core: CacheCore, req_ids, bounds, slots, drafts=None):
     return published.step_id
 
 
-def _consume(core: CacheCore, step_id, req_ids) -> None:
+def _consume(core: CacheCore, step_id: StepId, req_ids: tuple[ReqId, ...]) -> None:
     plan = core.consume_begin(ConsumeBegin(step_id=step_id, req_ids=req_ids, now_ns=0))
     assert isinstance(plan, ConsumePlan), plan
     core.consume_end(ConsumeEnd(step_id=step_id))
@@ -105,7 +124,7 @@ def bench_decode(steps: int) -> list[float]:
     core.start_step(StartStep(step=start, now_ns=0))
     bounds = np.arange(257, dtype=np.int64)
     base = np.arange(256, dtype=np.int64) * blocks_per_req * BLOCK_SIZE
-    scheduled = {r: 1 for r in reqs}
+    scheduled: dict[str, int] = {r: 1 for r in reqs}
     times = []
     for pos in range(steps):
         step = PrefixCacheStep(scheduled_tokens=scheduled)
@@ -129,7 +148,7 @@ def bench_decode_shuffled(steps: int) -> list[float]:
     core.start_step(StartStep(step=start, now_ns=0))
     bounds = np.arange(257, dtype=np.int64)
     base = np.arange(256, dtype=np.int64) * span
-    scheduled = {r: 1 for r in reqs}
+    scheduled: dict[str, int] = {r: 1 for r in reqs}
     rng = np.random.default_rng(0)
     times = []
     for pos in range(steps):
@@ -159,7 +178,7 @@ def bench_decode_drafts(steps: int, k: int = 3) -> list[float]:
     base = np.repeat(np.arange(256, dtype=np.int64) * span, rows)
     offsets = np.tile(np.arange(rows, dtype=np.int64), 256)
     drafts = np.full(256, k, dtype=np.int64)
-    scheduled = {r: rows for r in reqs}
+    scheduled: dict[str, int] = {r: rows for r in reqs}
     rng = np.random.default_rng(0)
     position = np.zeros(256, dtype=np.int64)
     computed: dict[str, int] = {}

@@ -196,20 +196,26 @@ class _CountedRows(np.ndarray):
 def counting(m: OmniPrefixCacheManager, counter: CopyCounter) -> Iterator[None]:
     """Count ``m``'s copies on this thread: the dispatch mode, the range hooks, the pool write."""
     state = m._state
-    saved = state.ranges, state.committer.ranges, _committer.row_bytes
-    plain_row_bytes = _committer.row_bytes
+    # row_bytes is patched where the committer looks it up; _committer imports it from _storage
+    # without re-exporting it.
+    saved = state.ranges, state.committer.ranges, _committer.row_bytes  # type: ignore[attr-defined]
+    plain_row_bytes = _committer.row_bytes  # type: ignore[attr-defined]
 
     def counted_row_bytes(rows: torch.Tensor) -> np.ndarray:
         return plain_row_bytes(rows).view(_CountedRows)
 
     state.ranges = state.committer.ranges = counter.range
-    _committer.row_bytes = counted_row_bytes
+    _committer.row_bytes = counted_row_bytes  # type: ignore[attr-defined]
     _CountedRows.counter = counter
     try:
         with counter:
             yield
     finally:
-        state.ranges, state.committer.ranges, _committer.row_bytes = saved
+        (
+            state.ranges,
+            state.committer.ranges,
+            _committer.row_bytes,  # type: ignore[attr-defined]
+        ) = saved
         _CountedRows.counter = None
 
 

@@ -42,18 +42,19 @@ VARIANTS = ("unset", "set", "forced")
 def variant(name: str) -> Iterator[None]:
     """Set the environment (and for `forced`, the range function) of one variant."""
     saved_env = os.environ.pop(_nvtx.ENV_VAR, None)
-    saved_ranges = _manager.ranges_for
+    # Patched where the manager looks it up; _manager imports it without re-exporting it.
+    saved_ranges = _manager.ranges_for  # type: ignore[attr-defined]
     saved_push, saved_pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
     try:
         if name in ("set", "forced"):
             os.environ[_nvtx.ENV_VAR] = "1"
         if name == "forced":
-            _manager.ranges_for = lambda device: _nvtx.nvtx_ranges  # type: ignore[assignment]
-            torch.cuda.nvtx.range_push = lambda msg: 0  # type: ignore[assignment]
-            torch.cuda.nvtx.range_pop = lambda: 0  # type: ignore[assignment]
+            _manager.ranges_for = lambda device: _nvtx.nvtx_ranges  # type: ignore[attr-defined]
+            torch.cuda.nvtx.range_push = lambda msg: 0
+            torch.cuda.nvtx.range_pop = lambda: 0
         yield
     finally:
-        _manager.ranges_for = saved_ranges  # type: ignore[assignment]
+        _manager.ranges_for = saved_ranges  # type: ignore[attr-defined]
         torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = saved_push, saved_pop
         os.environ.pop(_nvtx.ENV_VAR, None)
         if saved_env is not None:

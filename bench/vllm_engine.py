@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+from omni_cache_cuda.vllm import hidden_states_engine_args
 from tests.vllm_engine import harness as h
 
 
@@ -55,7 +56,7 @@ def _time_hooks(worker: Any) -> None:
         setattr(export, name, timed)
 
 
-def _hook_figures(worker: Any) -> tuple[float, int]:
+def _hook_figures(worker: Any) -> tuple[float, float, int, float]:
     export = getattr(worker, "worker", worker).model_runner.omni_cache_export
     counts = export.counts()
     return export.hook_s, export.hook_wall_s, counts["steps"], counts["output_thread_cpu_s"]
@@ -64,7 +65,7 @@ def _hook_figures(worker: Any) -> tuple[float, int]:
 def one_run(model: str, workload: h.Workload, *, omni: bool, sink_dir: str) -> dict[str, float]:
     # The larger model needs its weights inside the memory share vLLM checks on the CPU.
     base = h.engine_kwargs(model, dtype="float32", num_blocks=256, gpu_memory_utilization=0.4)
-    kwargs = h.hidden_states_engine_args(sink_dir=sink_dir, **base) if omni else base
+    kwargs = hidden_states_engine_args(sink_dir=sink_dir, **base) if omni else base
     with h.engine(in_process=True, **kwargs) as llm:
         if omni:
             llm.collective_rpc(_time_hooks)

@@ -15,7 +15,7 @@ import math
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import numpy as np
@@ -23,6 +23,9 @@ import torch
 
 from omni_cache_core import BadInputError, TensorName
 from omni_cache_cuda._faults import Faults
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 __all__ = [
     "HostPool",
@@ -52,7 +55,7 @@ class _Unregister:
 
     def __call__(self) -> None:
         global _registered_bytes
-        torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        torch.cuda.cudart().cudaHostUnregister(self.ptr)  # type: ignore[no-untyped-call]
         with _registered_lock:
             _registered_bytes -= self.nbytes
 
@@ -88,7 +91,7 @@ def alloc_host(
     global _registered_bytes
     nbytes = tensor.untyped_storage().nbytes()
     ptr = tensor.data_ptr()
-    status = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    status = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # type: ignore[no-untyped-call]
     if int(status) != 0:
         # Registration can be refused (for example under a locked-memory limit); fall back to
         # the caching allocator, which pins a rounded-up block. If that fails too, it raises.
@@ -125,6 +128,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     if not sys.platform.startswith("linux") or nbytes < _HUGE_PAGE_MIN_BYTES:
         return False
     if _madvise is None:
+        madvise: CFuncPtr | Literal[False]
         try:
             madvise = ctypes.CDLL(None, use_errno=True).madvise
             madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -121,7 +121,9 @@ class _WorkerHooks:
         worker: Any = self
         runner = worker.model_runner
         options = ExportOptions.from_additional_config(worker.vllm_config.additional_config)
-        runner.__class__ = _runner_class(type(runner))
+        # Typed as a plain type: mypy does not take type[Any] as the cache's Hashable argument.
+        runner_type: type = type(runner)
+        runner.__class__ = _runner_class(runner_type)
         runner._omni_cache_options = options
 
     def omni_cache_counts(self) -> dict[str, Any] | None:
