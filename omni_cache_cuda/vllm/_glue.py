@@ -173,10 +173,7 @@ def should_build_prefix_cache(
         True on the one worker that should build the cache and call it.
     """
     if pp_rank is None or pp_size is None or tp_rank is None or pcp_rank is None:
-        # vLLM is optional: a type checker run without it cannot resolve the import.
-        from vllm.distributed import (  # type: ignore[import-not-found, unused-ignore]
-            parallel_state as ps,
-        )
+        from vllm.distributed import parallel_state as ps
 
         if pp_rank is None or pp_size is None:
             pp = ps.get_pp_group()
