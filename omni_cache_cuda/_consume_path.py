@@ -260,27 +260,80 @@ class ConsumePath:
             self._own_rows(ctx, key, positions, base)
             pieces = torch.split(base.view(total, *shape.features), lengths.tolist())
             out.update(zip(plain, pieces, strict=True))
-        for req in wanted:
-            read = hit_reads.get(cast(ReqId, req))
-            if read is None:
-                continue
-            start, end = ctx.req_rows[req]
-            hit = len(read.slots)
-            record = records.get(read.read_id)
-            buffer = _prefetched_buffer(record, hit, end - start, shape.width)
-            if buffer is not None:
-                full = buffer.view(hit + end - start, *shape.features)  # HIT-7, gathered there
-            else:
-                full = empty_rows((hit + end - start, *shape.features), shape.dtype)
-            flat = full.view(len(full), -1)
-            self.gather(flat[:hit], read, record, ctx, current)
-            self._own_rows(ctx, key, np.arange(start, end, dtype=np.int64), flat[hit:])
-            out[req] = full
+        if hit_reads:
+            self._hit_requests(key, ctx, hit_reads, records, current, out)
         for req, k in skips.items():
             out[req] = out[req][k:]
         for req, take in takes.items():
             out[req] = out[req][:take]
         return {req: out[req] for req in wanted}
+
+    def _hit_requests(
+        self,
+        key: TensorName,
+        ctx: StepContext,
+        hit_reads: Mapping[ReqId, ReadPlan],
+        records: Mapping[int, ReadRecord],
+        current: Mapping[TensorName, torch.Tensor],
+        out: dict[str, torch.Tensor],
+    ) -> None:
+        """Each hit request's rows of a key the step wrote to the pool: its prefix, then its own
+        rows, in one buffer per request (HIT-3, D27), into ``out``.
+
+        A prefill of hundreds of short requests has hundreds of hit requests, so the usual case
+        takes two gathers per request and no per-row check: every planned prefix row is in the
+        pool (POOL, or AFTER_WRITE, whose write the consume awaited), no fault hook is set, and
+        the request's prefix was prefetched whole (HIT-7) or not at all. Preserved rows are laid
+        over what was gathered under each record's lock, closing it, as `gather` does (HIT-6),
+        and the step's own preserved rows over its own rows, as `_own_rows` does. Any other
+        request goes through `gather` and `_own_rows`.
+        """
+        state = self._state
+        shape = ctx.shapes[key]
+        width, features = shape.width, shape.features
+        pool = self._pool.tensors[key]
+        slots, req_rows = ctx.slots, ctx.req_rows
+        plain = not state.faults.hooks and (
+            int(np.concatenate([read.source for read in hit_reads.values()]).max())
+            <= _LAST_POOL_SOURCE
+        )
+        own_starts: list[tuple[int, int, torch.Tensor]] = []
+        for req, read in hit_reads.items():
+            start, end = req_rows[req]
+            hit = len(read.slots)
+            record = records.get(read.read_id)
+            prefetch = record is not None and record.prefetch is not None
+            buffer = _prefetched_buffer(record, hit, end - start, width) if prefetch else None
+            # A prefetch that is not the whole prefix with room for this tail (or that failed):
+            # `gather` takes the rows it has and reports a failure.
+            partial = prefetch and buffer is None
+            if buffer is None:
+                buffer = empty_rows((hit + end - start, width), shape.dtype)
+            if plain and not partial:
+                with state.ranges("omni_cache.hit_gather"):
+                    if not prefetch:
+                        try:
+                            torch.index_select(
+                                pool, 0, torch.from_numpy(read.slots), out=buffer[:hit]
+                            )
+                        except Exception as exc:
+                            raise self._unreadable(read, exc) from exc
+                    if record is not None:
+                        with record.lock:
+                            for positions, rows in record.preserved:
+                                buffer[torch.from_numpy(positions)] = rows
+                            record.closed = True
+            else:
+                self.gather(buffer[:hit], read, record, ctx, current)
+            own = buffer[hit:]
+            torch.index_select(pool, 0, torch.from_numpy(slots[start:end]), out=own)
+            own_starts.append((start, end, own))
+            out[req] = buffer.view(hit + end - start, *features)
+        record = ctx.own[key]
+        with record.lock:
+            if record.preserved:
+                for start, end, own in own_starts:
+                    _lay_over(record, np.arange(start, end, dtype=np.int64), own)
 
     def _own_rows(
         self, ctx: StepContext, key: TensorName, positions: np.ndarray, out: torch.Tensor
@@ -295,11 +348,7 @@ class ConsumePath:
         torch.index_select(pool, 0, torch.from_numpy(ctx.slots[positions]), out=out)
         record = ctx.own[key]
         with record.lock:
-            for kept, rows in reversed(record.preserved):
-                at = np.minimum(np.searchsorted(kept, positions), len(kept) - 1)
-                match = np.flatnonzero(kept[at] == positions)
-                if len(match):
-                    out[torch.from_numpy(match)] = rows[torch.from_numpy(at[match])]
+            _lay_over(record, positions, out)
 
     def _hit_only(
         self,
@@ -341,14 +390,19 @@ class ConsumePath:
             except OmniPrefixCacheUnmatchError:
                 raise
             except (Exception, concurrent.futures.CancelledError) as exc:
-                if state.closed:
-                    raise ShutDownError(operation="materialize") from exc
-                raise HitUnreadableError(
-                    req_id=read.req_id,
-                    key=read.key,
-                    reason=f"gathering the hit rows failed: {type(exc).__name__}: {exc}",
-                    slot_count=len(read.slots),
-                ) from exc
+                raise self._unreadable(read, exc) from exc
+
+    def _unreadable(self, read: ReadPlan, exc: BaseException) -> Exception:
+        """The error a failed hit gather raises: `HitUnreadableError`, or `ShutDownError`
+        when the cache shut down meanwhile (FAIL-4)."""
+        if self._state.closed:
+            return ShutDownError(operation="materialize")
+        return HitUnreadableError(
+            req_id=read.req_id,
+            key=read.key,
+            reason=f"gathering the hit rows failed: {type(exc).__name__}: {exc}",
+            slot_count=len(read.slots),
+        )
 
     def gather_rows(
         self,
@@ -436,6 +490,23 @@ class ConsumePath:
             picked = rows.index_select(0, index.to(rows.device, non_blocking=False)).to("cpu")
         stream.synchronize()
         return picked
+
+
+#: Sources at or below this code are pool rows (POOL, AFTER_WRITE): a plain gather reads them.
+_LAST_POOL_SOURCE = max(SlotSource.POOL.value, SlotSource.AFTER_WRITE.value)
+assert min(SlotSource.TASK.value, SlotSource.ZEROS.value, SlotSource.THIS_STEP.value) > (
+    _LAST_POOL_SOURCE
+)
+
+
+def _lay_over(record: ReadRecord, positions: np.ndarray, out: torch.Tensor) -> None:
+    """Lay a step's own preserved rows over ``out``, its rows at ``positions`` (sorted), the
+    earliest copy last so that it wins (D27); under ``record.lock``."""
+    for kept, rows in reversed(record.preserved):
+        at = np.minimum(np.searchsorted(kept, positions), len(kept) - 1)
+        match = np.flatnonzero(kept[at] == positions)
+        if len(match):
+            out[torch.from_numpy(match)] = rows[torch.from_numpy(at[match])]
 
 
 def _prefetched_buffer(
