@@ -92,22 +92,22 @@ class CopyBaseline:
     cache's own primitives: a row assignment through byte views into the pool, `index_select`
     out of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         slots = NUM_BLOCKS * BLOCK_SIZE
         # Host memory of the cache's own kind (`alloc_host`: huge pages where Linux offers
         # them), so the ratios compare the cache with the copies, not two kinds of memory.
         self.pools = (
-            alloc_host((slots, WIDTH), DTYPE, pin=False),
+            alloc_host((slots, width), DTYPE, pin=False),
             alloc_host((slots, MM_WIDTH), DTYPE, pin=False),
         )
         self.pages = (
-            alloc_host((CAPACITY, WIDTH), DTYPE, pin=False),
+            alloc_host((CAPACITY, width), DTYPE, pin=False),
             alloc_host((CAPACITY, MM_WIDTH), DTYPE, pin=False),
         )
         # Output buffers allocated once: allocation (and the page faults of fresh memory) is
         # not a copy the cycle must make.
         self.outs = (
-            alloc_host((2 * CAPACITY, WIDTH), DTYPE, pin=False),
+            alloc_host((2 * CAPACITY, width), DTYPE, pin=False),
             alloc_host((2 * CAPACITY, MM_WIDTH), DTYPE, pin=False),
         )
         self.pool_bytes = tuple(row_bytes(pool) for pool in self.pools)
@@ -236,20 +236,27 @@ def bench_decode(threaded: bool, steps: int, warmup: int, baseline: CopyBaseline
 
 
 def bench_prefill(
-    threaded: bool, steps: int, warmup: int, baseline: CopyBaseline, *, prefetch: bool = True
+    threaded: bool,
+    steps: int,
+    warmup: int,
+    baseline: CopyBaseline,
+    *,
+    prefetch: bool = True,
+    width: int = WIDTH,
 ) -> Samples:
+    """Prefill cycles; ``width`` is the hidden states' (the baseline's must be the same)."""
     blocks_per_req = 512 // BLOCK_SIZE
     hit_blocks = 256 // BLOCK_SIZE
     shared = list(range(hit_blocks))
     n_max = 8 * 256 + 8 * 512
-    rows = (torch.randn(n_max, WIDTH).to(DTYPE), torch.randn(n_max, MM_WIDTH).to(DTYPE))
-    warm_rows = (torch.randn(256, WIDTH).to(DTYPE), torch.randn(256, MM_WIDTH).to(DTYPE))
+    rows = (torch.randn(n_max, width).to(DTYPE), torch.randn(n_max, MM_WIDTH).to(DTYPE))
+    warm_rows = (torch.randn(256, width).to(DTYPE), torch.randn(256, MM_WIDTH).to(DTYPE))
     samples = Samples()
 
     def check(out: object) -> None:
         hidden = out.hidden_states  # type: ignore[attr-defined]
         first = next(iter(hidden.values()))  # request 0 starts with the shared 256-token hit
-        assert first.shape == (512, WIDTH), first.shape
+        assert first.shape == (512, width), first.shape
         assert torch.equal(first[:256], warm_rows[0]), "hit prefix rows came back wrong"
 
     with make_manager(threaded, prefetch=prefetch) as m:

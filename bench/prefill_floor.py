@@ -11,6 +11,8 @@ their parts, each this thread's CPU time:
 - `start`, `save`, `materialize`: the manager's three calls; inside them `pool write` (the
   save's one copy, `SavePath._write_now`) and `build` (the consume's gathers and outputs,
   `ConsumePath._build`);
+- `core`: the core's calls inside them, summed (`CacheCore.start_step`, `save_begin`,
+  `save_proceed`, `save_commit`, `consume_begin`, `consume_end` and the write's reports);
 - `copy1 write` and `copy1 gather`: the one-copy baseline's two halves, on the same step.
 
 Then four probes, run on each cycle's own plan right before its build (in rotating order, so
@@ -30,7 +32,12 @@ caller keeps them); the two reused probes show what the number of gathers costs;
 what one large new buffer costs instead of several smaller ones. The baseline writes into
 buffers it reuses, so `copy1 gather` is the reused case.
 
-Run: python bench/prefill_floor.py [--steps N] [--rounds R]
+`--width 16` runs the same cycles with hidden states of width 16 instead of 2048, as
+`decode_floor.py`'s narrow row does: the same calls on the same requests, with copies of a few
+kilobytes, so the cycle less its copies is the step's fixed cost, which the 1.05 x target of
+`adapter_step.py` has to fit in 5 % of the copies at width 2048.
+
+Run: python bench/prefill_floor.py [--steps N] [--rounds R] [--width W]
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import adapter_step
 from adapter_step import CAPACITY, DTYPE, WIDTH, CopyBaseline, bench_prefill
 
-from omni_cache_core import HIDDEN_KEY
+from omni_cache_core import HIDDEN_KEY, _core
 from omni_cache_cuda import _consume_path, _manager, _save_path
 from omni_cache_cuda._storage import alloc_host, empty_rows
 
@@ -64,6 +71,18 @@ _TIMED = (
     (_manager.OmniPrefixCacheManager, "materialize", "materialize"),
     (_save_path.SavePath, "_write_now", "pool write"),
     (_consume_path.ConsumePath, "_build", "build"),
+    *(
+        (_core.CacheCore, name, "core")
+        for name in (
+            "start_step",
+            "save_begin",
+            "save_proceed",
+            "save_commit",
+            "consume_begin",
+            "consume_end",
+            "report",
+        )
+    ),
 )
 PROBES = (
     "same gathers, fresh buffers",
@@ -77,6 +96,7 @@ COLUMNS = (
     "pool write",
     "materialize",
     "build",
+    "core",
     "copy1 write",
     "copy1 gather",
     *PROBES,
@@ -86,9 +106,9 @@ COLUMNS = (
 class Probes:
     """The hidden key's gathers of one consume, done four ways outside the cache."""
 
-    def __init__(self, samples: dict[str, list[int]]) -> None:
+    def __init__(self, samples: dict[str, list[int]], width: int) -> None:
         self.samples = samples
-        self.reused = alloc_host((2 * CAPACITY, WIDTH), DTYPE, pin=False)
+        self.reused = alloc_host((2 * CAPACITY, width), DTYPE, pin=False)
         self.turn = 0
 
     def run(self, consume: Any, plan: Any, ctx: Any, wanted: tuple[str, ...]) -> None:
@@ -118,10 +138,11 @@ class Probes:
     @staticmethod
     def _fresh(pool: torch.Tensor, index: list[torch.Tensor]) -> object:
         # One buffer for the requests without a hit, one per hit request (prefix and own rows).
-        outs = [empty_rows((len(index[0]), WIDTH), DTYPE)]
+        width = pool.shape[1]
+        outs = [empty_rows((len(index[0]), width), DTYPE)]
         torch.index_select(pool, 0, index[0], out=outs[0])
         for prefix, own in zip(index[1::2], index[2::2], strict=True):
-            out = empty_rows((len(prefix) + len(own), WIDTH), DTYPE)
+            out = empty_rows((len(prefix) + len(own), width), DTYPE)
             torch.index_select(pool, 0, prefix, out=out[: len(prefix)])
             torch.index_select(pool, 0, own, out=out[len(prefix) :])
             outs.append(out)
@@ -129,7 +150,7 @@ class Probes:
 
     @staticmethod
     def _one_fresh(pool: torch.Tensor, index: torch.Tensor) -> object:
-        out = empty_rows((len(index), WIDTH), DTYPE)
+        out = empty_rows((len(index), pool.shape[1]), DTYPE)
         torch.index_select(pool, 0, index, out=out)
         return out
 
@@ -142,10 +163,10 @@ class Probes:
 
 
 @contextmanager
-def instrumented(samples: dict[str, list[int]]) -> Iterator[None]:
+def instrumented(samples: dict[str, list[int]], width: int) -> Iterator[None]:
     """Time the parts of every cycle; probe each consume's gathers; split the baseline."""
     step: collections.Counter[str] = collections.Counter()
-    probes = Probes(samples)
+    probes = Probes(samples, width)
     run = CopyBaseline.run
     originals: list[tuple[Any, str, Any]] = [(CopyBaseline, "run", run)]
 
@@ -197,29 +218,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=30, help="prefill cycles per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--width", type=int, default=WIDTH, help="hidden width (16: the cycle's fixed cost)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    baseline = CopyBaseline()
+    baseline = CopyBaseline(args.width)
     rounds: list[dict[str, list[int]]] = []
     for _ in range(args.rounds):
         samples: dict[str, list[int]] = collections.defaultdict(list)
-        with instrumented(samples):
-            bench_prefill(False, args.steps, 4, baseline, prefetch=False)
+        with instrumented(samples, args.width):
+            bench_prefill(False, args.steps, 4, baseline, prefetch=False, width=args.width)
         warm = {name: values[4:] for name, values in samples.items()}  # the warm-up's cycles
         rounds.append(warm)
     print(
         f"torch {torch.__version__}, CPU, one intra-op thread; {adapter_step.__name__}'s inline "
-        f"prefill (16 x 512, 8 hits), hit prefetch off; ms per cycle, this thread's CPU, median "
+        f"prefill (16 x 512, 8 hits), hidden width {args.width}, hit prefetch off; ms per cycle, "
+        f"this thread's CPU, median "
         f"of the round with the least materialize ({args.rounds} rounds of {args.steps} cycles)"
     )
     best = min(rounds, key=lambda r: statistics.median(r["materialize"]))
     for name in COLUMNS:
-        spread = ", ".join(f"{statistics.median(r[name]) / 1e6:.2f}" for r in rounds)
-        print(f"{name:<30}{statistics.median(best[name]) / 1e6:8.2f}   rounds: {spread}")
+        spread = ", ".join(f"{statistics.median(r[name]) / 1e6:.3f}" for r in rounds)
+        print(f"{name:<30}{statistics.median(best[name]) / 1e6:8.3f}   rounds: {spread}")
     m = {name: statistics.median(best[name]) / 1e6 for name in COLUMNS}
+    cycle = m["start"] + m["save"] + m["materialize"]
+    copy1 = m["copy1 write"] + m["copy1 gather"]
     print(
-        f"cycle (start + save + materialize) {m['start'] + m['save'] + m['materialize']:.2f} ms, "
-        f"copy1 {m['copy1 write'] + m['copy1 gather']:.2f} ms; build less the same gathers into "
+        f"cycle (start + save + materialize) {cycle:.3f} ms, copy1 {copy1:.3f} ms, cycle less "
+        f"copy1 {cycle - copy1:.3f} ms (of it the core {m['core']:.3f} ms, the rest "
+        f"{cycle - copy1 - m['core']:.3f} ms); build less the same gathers into "
         f"fresh buffers {m['build'] - m[PROBES[0]]:.2f} ms; fresh less reused "
         f"{m[PROBES[0]] - m[PROBES[1]]:.2f} ms; one gather less the same gathers "
         f"{m[PROBES[2]] - m[PROBES[1]]:.2f} ms; one fresh buffer less the build's "
