@@ -11,7 +11,7 @@ over everything gathered (HIT-6).
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -178,15 +178,21 @@ class ConsumePath:
                 current[key] = rows.view(ctx.n, *shape.features)
             # The key's rows and each request's range; its views are made when read (OUT-5).
             out = request_rows(current[key], ctx.req_rows, wanted)
-            for (read_req, read_key), read in reads.items():
-                req: str = read_req
-                if read_key == key and req in out:
+            key_reads = [read for (_, read_key), read in reads.items() if read_key == key]
+            plain = self._pool_rows_only(key_reads)
+            for read in key_reads:
+                req: str = read.req_id
+                if req in out:
                     # One buffer per hit request: the prefix is gathered straight into it.
                     tail = out[req]
                     hit = len(read.slots)
                     full = empty_rows((hit + len(tail), *tail.shape[1:]), tail.dtype)
                     flat = full.view(len(full), -1)
-                    self.gather(flat[:hit], read, records.get(read.read_id), ctx, current)
+                    record = records.get(read.read_id)
+                    if plain and (record is None or record.prefetch is None):
+                        self._plain_prefix(flat[:hit], read, record)
+                    else:
+                        self.gather(flat[:hit], read, record, ctx, current)
                     # An explicit width: a request with 0 rows this step has an empty tail.
                     flat[hit:].copy_(tail.reshape(len(tail), flat.shape[1]))
                     out[req] = full
@@ -281,22 +287,17 @@ class ConsumePath:
         rows, in one buffer per request (HIT-3, D27), into ``out``.
 
         A prefill of hundreds of short requests has hundreds of hit requests, so the usual case
-        takes two gathers per request and no per-row check: every planned prefix row is in the
-        pool (POOL, or AFTER_WRITE, whose write the consume awaited), no fault hook is set, and
-        the request's prefix was prefetched whole (HIT-7) or not at all. Preserved rows are laid
-        over what was gathered under each record's lock, closing it, as `gather` does (HIT-6),
-        and the step's own preserved rows over its own rows, as `_own_rows` does. Any other
-        request goes through `gather` and `_own_rows`.
+        takes two gathers per request and no per-row check (`_pool_rows_only`): its prefix in
+        one (`_plain_prefix`) unless the prefetch holds it whole (HIT-7), its own rows in the
+        other, the step's own preserved rows laid over them after, as `_own_rows` does. A
+        request whose prefix was prefetched in part goes through `gather`.
         """
         state = self._state
         shape = ctx.shapes[key]
         width, features = shape.width, shape.features
         pool = self._pool.tensors[key]
         slots, req_rows = ctx.slots, ctx.req_rows
-        plain = not state.faults.hooks and (
-            int(np.concatenate([read.source for read in hit_reads.values()]).max())
-            <= _LAST_POOL_SOURCE
-        )
+        plain = self._pool_rows_only(hit_reads.values())
         own_starts: list[tuple[int, int, torch.Tensor]] = []
         for req, read in hit_reads.items():
             start, end = req_rows[req]
@@ -309,20 +310,12 @@ class ConsumePath:
             partial = prefetch and buffer is None
             if buffer is None:
                 buffer = empty_rows((hit + end - start, width), shape.dtype)
-            if plain and not partial:
+            if plain and not prefetch:
+                self._plain_prefix(buffer[:hit], read, record)
+            elif plain and not partial:
+                assert record is not None
                 with state.ranges("omni_cache.hit_gather"):
-                    if not prefetch:
-                        try:
-                            torch.index_select(
-                                pool, 0, torch.from_numpy(read.slots), out=buffer[:hit]
-                            )
-                        except Exception as exc:
-                            raise self._unreadable(read, exc) from exc
-                    if record is not None:
-                        with record.lock:
-                            for positions, rows in record.preserved:
-                                buffer[torch.from_numpy(positions)] = rows
-                            record.closed = True
+                    _close_read(record, buffer)  # HIT-7: the prefix is in the buffer already
             else:
                 self.gather(buffer[:hit], read, record, ctx, current)
             own = buffer[hit:]
@@ -334,6 +327,26 @@ class ConsumePath:
             if record.preserved:
                 for start, end, own in own_starts:
                     _lay_over(record, np.arange(start, end, dtype=np.int64), own)
+
+    def _pool_rows_only(self, reads: Iterable[ReadPlan]) -> bool:
+        """Whether plain gathers may serve ``reads``: every planned row is a pool row (POOL, or
+        AFTER_WRITE, whose write the consume awaited) and no fault hook is set (HIT-3)."""
+        if self._state.faults.hooks:
+            return False
+        sources = [read.source for read in reads]
+        return not sources or int(np.concatenate(sources).max(initial=0)) <= _LAST_POOL_SOURCE
+
+    def _plain_prefix(self, out: torch.Tensor, read: ReadPlan, record: ReadRecord | None) -> None:
+        """A hit prefix read only from pool rows: one gather, then its preserved rows laid over
+        under the record's lock, closing it, as `gather` does (HIT-3, HIT-6)."""
+        with self._state.ranges("omni_cache.hit_gather"):
+            try:
+                pool = self._pool.tensors[read.key]
+                torch.index_select(pool, 0, torch.from_numpy(read.slots), out=out)
+            except Exception as exc:
+                raise self._unreadable(read, exc) from exc
+            if record is not None:
+                _close_read(record, out)
 
     def _own_rows(
         self, ctx: StepContext, key: TensorName, positions: np.ndarray, out: torch.Tensor
@@ -457,12 +470,7 @@ class ConsumePath:
                 index = torch.from_numpy(read.step_row[own].astype(np.int64))
                 out[torch.from_numpy(own)] = rows[index]
         if record is not None:
-            # HIT-6: rows preserved before a newer write landed win over what was gathered.
-            # Closing under the lock means a later Preserve skips: the gather is done.
-            with record.lock:
-                for positions, rows in record.preserved:
-                    out[torch.from_numpy(positions)] = rows
-                record.closed = True
+            _close_read(record, out)  # HIT-6: preserved rows win over what was gathered
 
     def _task_rows(
         self, job: WriteJob, key: TensorName, slots: np.ndarray, limit: int
@@ -497,6 +505,15 @@ _LAST_POOL_SOURCE = max(SlotSource.POOL.value, SlotSource.AFTER_WRITE.value)
 assert min(SlotSource.TASK.value, SlotSource.ZEROS.value, SlotSource.THIS_STEP.value) > (
     _LAST_POOL_SOURCE
 )
+
+
+def _close_read(record: ReadRecord, out: torch.Tensor) -> None:
+    """Lay a hit's preserved rows over its gathered prefix ``out`` and close its record, under
+    the record's lock: a later Preserve then skips, the gather being done (HIT-6)."""
+    with record.lock:
+        for positions, rows in record.preserved:
+            out[torch.from_numpy(positions)] = rows
+        record.closed = True
 
 
 def _lay_over(record: ReadRecord, positions: np.ndarray, out: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from omni_cache_cuda import (
     StagingCopyError,
     WriteFailedError,
 )
+from omni_cache_cuda._consume_path import ConsumePath
 from omni_cache_cuda._save_path import DIRECT_WRITE_MIN_BYTES
 from tests.adapter_helpers import settle
 
@@ -281,3 +282,58 @@ def test_a_failed_take_of_the_rows_leaves_no_trace(manager: OmniPrefixCacheManag
         rows[0], {MM: rows[1]}, num_tokens_unpadded=BIG, write_layout=layout
     )
     assert torch.equal(manager.materialize(step, ["a"]).hidden_states["a"], rows[0])
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+def test_hit_requests_of_pool_rows_take_plain_gathers(
+    threaded: bool, prefetch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HIT-3, D27: hit requests whose planned prefix rows are all pool rows are merged with plain
+    gathers, without the general per-row gather, and return the prefix then their own rows. With
+    a fault hook on the gather point, or (threaded mode's small steps, whose own rows come from
+    their page) a prefetch to copy from, the same merge goes through the general gather, request
+    by request, and returns the same rows."""
+    gathered: list[str] = []
+    gather = ConsumePath.gather
+
+    def counted(self: ConsumePath, out: torch.Tensor, read: Any, *args: Any) -> None:
+        gathered.append(read.req_id)
+        gather(self, out, read, *args)
+
+    monkeypatch.setattr(ConsumePath, "gather", counted)
+    config = PrefixCacheConfig(num_blocks=256, block_size=BLOCK, staging_capacity_tokens=2048)
+    with OmniPrefixCacheManager(config, device="cpu", threaded=threaded, prefetch=prefetch) as m:
+        a_blocks = _blocks(0, 64)
+        a_rows = _rows(64, 0.5)
+        kept = (a_rows[0].clone(), a_rows[1].clone())
+        step = _save(m, [_start("a", a_blocks, 64)], {"a": 64}, {"a": 0}, {"a": a_blocks}, a_rows)
+        m.materialize(step, ["a"])
+        settle(m)
+        ended = [PrefixCacheRequestEvent(req_id="a", kind=FINISHED)]
+        for round_, (first, hook) in enumerate(((8, False), (12, True))):
+            if hook:
+                m._inject_fault("gather", lambda read: None)  # a hook that lets every gather run
+            # Two requests on a's first 32 tokens, 16 tokens of their own each; one without a hit.
+            reqs = [f"b{round_}", f"c{round_}", f"d{round_}"]
+            blocks = {
+                reqs[0]: [*a_blocks[:2], first],
+                reqs[1]: [*a_blocks[:2], first + 1],
+                reqs[2]: [first + 2],
+            }
+            tokens = {reqs[0]: 16, reqs[1]: 16, reqs[2]: 16}
+            computed = {reqs[0]: 32, reqs[1]: 32, reqs[2]: 0}
+            events = [*ended, *(_start(r, blocks[r], 16, computed[r]) for r in reqs)]
+            own = _rows(48, 10.0 * (round_ + 1))
+            step = _save(m, events, tokens, computed, blocks, own)
+            out = m.materialize(step, reqs)
+            for i, req in enumerate(reqs[:2]):
+                hidden, mm = out.hidden_states[req], out.mm_outputs[MM][req]
+                assert torch.equal(hidden[:32], kept[0][:32]) and torch.equal(mm[:32], kept[1][:32])
+                assert torch.equal(hidden[32:], own[0][16 * i : 16 * (i + 1)])
+                assert torch.equal(mm[32:], own[1][16 * i : 16 * (i + 1)])
+            assert torch.equal(out.hidden_states[reqs[2]], own[0][32:])
+            # Two keys, two hit requests: through the general gather only where it is needed.
+            general = hook or (threaded and prefetch)
+            assert sorted(gathered) == (sorted(reqs[:2] * 2) if general else [])
+            gathered.clear()
+            ended = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in reqs]
