@@ -180,22 +180,31 @@ class ConsumePath:
             out = request_rows(current[key], ctx.req_rows, wanted)
             key_reads = [read for (_, read_key), read in reads.items() if read_key == key]
             plain = self._pool_rows_only(key_reads)
+            width = ctx.shapes[key].width
             for read in key_reads:
                 req: str = read.req_id
-                if req in out:
-                    # One buffer per hit request: the prefix is gathered straight into it.
-                    tail = out[req]
-                    hit = len(read.slots)
-                    full = empty_rows((hit + len(tail), *tail.shape[1:]), tail.dtype)
-                    flat = full.view(len(full), -1)
-                    record = records.get(read.read_id)
-                    if plain and (record is None or record.prefetch is None):
+                if req not in out:
+                    continue
+                # One buffer per hit request: the prefix is gathered straight into it, or was
+                # by the prefetch, whose buffer has room for the step's rows behind it (HIT-7).
+                tail = out[req]
+                hit = len(read.slots)
+                record = records.get(read.read_id)
+                prefetch = record is not None and record.prefetch is not None
+                flat = _prefetched_buffer(record, hit, len(tail), width) if prefetch else None
+                if flat is not None and plain:
+                    assert record is not None
+                    with self._state.ranges("omni_cache.hit_gather"):
+                        _close_read(record, flat[:hit])
+                else:
+                    flat = empty_rows((hit + len(tail), width), tail.dtype)
+                    if plain and not prefetch:
                         self._plain_prefix(flat[:hit], read, record)
                     else:
                         self.gather(flat[:hit], read, record, ctx, current)
-                    # An explicit width: a request with 0 rows this step has an empty tail.
-                    flat[hit:].copy_(tail.reshape(len(tail), flat.shape[1]))
-                    out[req] = full
+                # An explicit width: a request with 0 rows this step has an empty tail.
+                flat[hit:].copy_(tail.reshape(len(tail), width))
+                out[req] = flat.view(hit + len(tail), *tail.shape[1:])
             for req, k in skips.items():
                 out[req] = out[req][k:]
             for req, take in takes.items():

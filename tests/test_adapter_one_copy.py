@@ -288,11 +288,11 @@ def test_a_failed_take_of_the_rows_leaves_no_trace(manager: OmniPrefixCacheManag
 def test_hit_requests_of_pool_rows_take_plain_gathers(
     threaded: bool, prefetch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """HIT-3, D27: hit requests whose planned prefix rows are all pool rows are merged with plain
-    gathers, without the general per-row gather, and return the prefix then their own rows. With
-    a fault hook on the gather point, or (threaded mode's small steps, whose own rows come from
-    their page) a prefetch to copy from, the same merge goes through the general gather, request
-    by request, and returns the same rows."""
+    """HIT-3, D27: hit requests whose planned prefix rows are all pool rows are merged without
+    the general per-row gather (a plain gather, or the prefetch's own buffer, HIT-7), inline and
+    behind a page (threaded mode's small steps), and return the prefix then their own rows.
+    With a fault hook on the gather point the same merge goes through the general gather,
+    request by request, and returns the same rows."""
     gathered: list[str] = []
     gather = ConsumePath.gather
 
@@ -332,8 +332,7 @@ def test_hit_requests_of_pool_rows_take_plain_gathers(
                 assert torch.equal(hidden[32:], own[0][16 * i : 16 * (i + 1)])
                 assert torch.equal(mm[32:], own[1][16 * i : 16 * (i + 1)])
             assert torch.equal(out.hidden_states[reqs[2]], own[0][32:])
-            # Two keys, two hit requests: through the general gather only where it is needed.
-            general = hook or (threaded and prefetch)
-            assert sorted(gathered) == (sorted(reqs[:2] * 2) if general else [])
+            # Two keys, two hit requests: through the general gather only with the hook.
+            assert sorted(gathered) == (sorted(reqs[:2] * 2) if hook else [])
             gathered.clear()
             ended = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in reqs]
