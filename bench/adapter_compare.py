@@ -34,6 +34,17 @@ ROW = re.compile(
 )
 
 
+def extract_packages(rev: str, dest: Path) -> None:
+    """Write the library's packages as they are at git revision ``rev`` into ``dest``."""
+    archive = subprocess.run(
+        ["git", "archive", rev, "omni_cache_core", "omni_cache_cuda"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
 def _run(tree: Path, steps: int) -> dict[str, tuple[float, float, float, float]]:
     """One round of adapter_step.py against the packages in `tree`.
 
@@ -70,13 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp)
-        archive = subprocess.run(
-            ["git", "archive", args.rev, "omni_cache_core", "omni_cache_cuda"],
-            cwd=ROOT,
-            capture_output=True,
-            check=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        extract_packages(args.rev, old)
         versions = {args.rev: old, "tree": ROOT}
         results: dict[str, list[dict[str, tuple[float, float, float, float]]]] = {
             v: [] for v in versions

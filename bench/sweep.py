@@ -19,7 +19,8 @@ and `fixed ms` = cycle - copy, the bookkeeping. Read across a row for what grows
 bookkeeping across widths and a ratio falling to 1 with width is the healthy shape.
 
 `--plot PATH` writes a figure of both (matplotlib): bookkeeping against requests, and the
-cycle's ratio to its copies against bytes per step.
+cycle's ratio to its copies against bytes per step. `decode` and `prefill` take `threaded=True`
+for a threaded manager (`sweep_compare.py --threaded`).
 
 Run: python bench/sweep.py [--steps N] [--rounds R] [--widths 1024,4096,8192]
      [--batches 16,64,256,1024] [--plot docs/sweep.png]
@@ -102,12 +103,12 @@ class Buffers:
         return time.thread_time() - t0
 
 
-def _manager(num_blocks: int, step_rows: int) -> OmniPrefixCacheManager:
+def _manager(num_blocks: int, step_rows: int, threaded: bool) -> OmniPrefixCacheManager:
     capacity = max(1024, step_rows)
     config = PrefixCacheConfig(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, staging_capacity_tokens=capacity
     )
-    return OmniPrefixCacheManager(config, device="cpu", threaded=False)
+    return OmniPrefixCacheManager(config, device="cpu", threaded=threaded)
 
 
 def _cycle(
@@ -125,7 +126,7 @@ def _cycle(
     return time.thread_time() - t0
 
 
-def decode(requests: int, width: int, steps: int, warmup: int) -> Point:
+def decode(requests: int, width: int, steps: int, warmup: int, *, threaded: bool = False) -> Point:
     blocks_per_req = 8
     num_blocks = requests * blocks_per_req
     reqs = [f"d{i}" for i in range(requests)]
@@ -141,7 +142,7 @@ def decode(requests: int, width: int, steps: int, warmup: int) -> Point:
     buffers = Buffers(num_blocks * BLOCK_SIZE, width, requests)
     no_hits = torch.zeros(0, dtype=torch.int64)
     cycle, copy, layout_s = [], [], []
-    with _manager(num_blocks, requests) as m:
+    with _manager(num_blocks, requests, threaded) as m:
         for pos in range(warmup + steps):
             step = PrefixCacheStep(events=starts if pos == 0 else (), scheduled_tokens=ones)
             t0 = time.thread_time()
@@ -162,7 +163,7 @@ def decode(requests: int, width: int, steps: int, warmup: int) -> Point:
     return _point("decode", requests, width, cycle, copy, layout_s, requests)
 
 
-def prefill(requests: int, width: int, steps: int, warmup: int) -> Point:
+def prefill(requests: int, width: int, steps: int, warmup: int, *, threaded: bool = False) -> Point:
     blocks_per_req = PREFILL_TOKENS // BLOCK_SIZE
     shared = [0]
     num_blocks = 1 + 2 * requests * blocks_per_req  # this step's and the step before's
@@ -173,7 +174,7 @@ def prefill(requests: int, width: int, steps: int, warmup: int) -> Point:
     )
     buffers = Buffers(num_blocks * BLOCK_SIZE, width, requests * PREFILL_TOKENS)
     cycle, copy, layout_s = [], [], []
-    with _manager(num_blocks, computed_rows) as m:
+    with _manager(num_blocks, computed_rows, threaded) as m:
         # The shared block, written once by a request that stays live.
         warm = PrefixCacheWriteLayout.from_block_tables(
             ["warm"], {"warm": HIT_TOKENS}, {"warm": 0}, {"warm": shared}, BLOCK_SIZE
