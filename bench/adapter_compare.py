@@ -4,7 +4,8 @@
 two such runs minutes apart cannot tell a 20 % change from the swing. This script extracts the
 packages of a git revision into a temporary folder and runs `adapter_step.py` (this tree's copy;
 it uses only the public API) alternately against that revision and this tree, one round each in
-a fresh process, so neighbouring rounds see the same machine state. It prints each round's
+a fresh process, the order flipped every round, so neighbouring rounds see the same machine
+state. It prints each round's
 figures per version and the median ratio (this tree / revision) of the engine thread's CPU time
 and of the process's CPU time per cycle, per row.
 
@@ -20,9 +21,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 STEP_SCRIPT = ROOT / "bench" / "adapter_step.py"
 #: A result row of adapter_step.py: name, wall, p90, engine, cpu, copy3, x copy3, copy1, ...
 #: (ms). The revision's run is this tree's script, so the columns are the same for both. The
@@ -34,15 +38,37 @@ ROW = re.compile(
 )
 
 
-def extract_packages(rev: str, dest: Path) -> None:
-    """Write the library's packages as they are at git revision ``rev`` into ``dest``."""
-    archive = subprocess.run(
-        ["git", "archive", rev, "omni_cache_core", "omni_cache_cuda"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+def interleaved(rev: str, rounds: int, run: Callable[[Path], T]) -> dict[str, list[T]]:
+    """``run`` against the packages of git revision ``rev`` and against this tree's, one call
+    each per round, the order flipped every round; results per version (``rev``, ``"tree"``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "archive", rev, "omni_cache_core", "omni_cache_cuda"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        order = [(rev, Path(tmp)), ("tree", ROOT)]
+        results: dict[str, list[T]] = {name: [] for name, _ in order}
+        for r in range(rounds):
+            for name, tree in order if r % 2 == 0 else reversed(order):
+                results[name].append(run(tree))
+    return results
+
+
+def print_rounds(
+    row: str,
+    results: Mapping[str, Sequence[Mapping[str, Sequence[float]]]],
+    *,
+    width: int,
+    number: str,
+) -> None:
+    """Print a row's first two figures of every round, one line per version: ``a a / b b``."""
+    for name, rounds in results.items():
+        first = " ".join(f"{r[row][0]:{number}}" for r in rounds)
+        second = " ".join(f"{r[row][1]:{number}}" for r in rounds)
+        print(f"{row:{width}} {name:>10}  {first}  /  {second}")
 
 
 def _run(tree: Path, steps: int) -> dict[str, tuple[float, float, float, float]]:
@@ -79,23 +105,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per version")
     parser.add_argument("--steps", type=int, default=200, help="decode cycles per round")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp)
-        extract_packages(args.rev, old)
-        versions = {args.rev: old, "tree": ROOT}
-        results: dict[str, list[dict[str, tuple[float, float, float, float]]]] = {
-            v: [] for v in versions
-        }
-        for _ in range(args.rounds):
-            for name, tree in versions.items():
-                results[name].append(_run(tree, args.steps))
+    results = interleaved(args.rev, args.rounds, lambda tree: _run(tree, args.steps))
+    versions = (args.rev, "tree")
     print(f"adapter cycles, {args.rounds} rounds of {args.steps} decode steps per version")
     print(f"{'cycle':31} {'version':>10}  engine ms per round / cpu ms per round")
     for row in results["tree"][0]:
-        for name in versions:
-            engine = " ".join(f"{r[row][0]:6.3f}" for r in results[name])
-            cpu = " ".join(f"{r[row][1]:6.3f}" for r in results[name])
-            print(f"{row:31} {name:>10}  {engine}  /  {cpu}")
+        print_rounds(row, results, width=31, number="6.3f")
         ratios = [
             (new[row][0] / old_[row][0], new[row][1] / old_[row][1])
             for new, old_ in zip(results["tree"], results[args.rev], strict=True)

@@ -2,7 +2,7 @@
 
 `sweep.py` prints one run of each point; a change of 20 % at a point cannot be told from the
 machine's swing between two such runs. This script extracts the packages of a git revision
-(as `adapter_compare.py` does) and runs the chosen points of `sweep.py` (this tree's copy)
+(as `adapter_compare.py` does, with its `interleaved`) and runs the chosen points of `sweep.py` (this tree's copy)
 alternately against that revision and this tree, one round each in a fresh process, the order
 of the two flipped every round. It prints each round's cycle and copy figures per version and
 the median of the per-round ratios of the cycles (this tree / revision).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from adapter_compare import ROOT, extract_packages
+from adapter_compare import ROOT, interleaved, print_rounds
 
 #: One round in a fresh process: the points' medians, as JSON on the last line.
 _ROUND = """
@@ -80,22 +80,14 @@ def main() -> None:
     parser.add_argument("--threaded", action="store_true", help="threaded managers")
     args = parser.parse_args()
     points = _points(args.points)
-    with tempfile.TemporaryDirectory() as tmp:
-        extract_packages(args.rev, Path(tmp))
-        versions = {args.rev: Path(tmp), "tree": ROOT}
-        results: dict[str, list[dict[str, tuple[float, float]]]] = {v: [] for v in versions}
-        for r in range(args.rounds):
-            order = list(versions.items())
-            for name, tree in order if r % 2 == 0 else reversed(order):
-                results[name].append(_run(tree, points, args.steps, args.threaded))
+    results = interleaved(
+        args.rev, args.rounds, lambda tree: _run(tree, points, args.steps, args.threaded)
+    )
     mode = "threaded" if args.threaded else "inline"
     print(f"sweep points, {mode} managers, {args.rounds} rounds of {args.steps} steps per version")
     print(f"{'point':26} {'version':>10}  cycle ms per round / copy ms per round")
     for point in results["tree"][0]:
-        for name in versions:
-            cycle = " ".join(f"{r[point][0]:7.3f}" for r in results[name])
-            copy = " ".join(f"{r[point][1]:7.3f}" for r in results[name])
-            print(f"{point:26} {name:>10}  {cycle}  /  {copy}")
+        print_rounds(point, results, width=26, number="7.3f")
         ratio = statistics.median(
             new[point][0] / old[point][0]
             for new, old in zip(results["tree"], results[args.rev], strict=True)
