@@ -298,8 +298,9 @@ class ConsumePath:
         A prefill of hundreds of short requests has hundreds of hit requests, so the usual case
         takes two gathers per request and no per-row check (`_pool_rows_only`): its prefix in
         one (`_plain_prefix`) unless the prefetch holds it whole (HIT-7), its own rows in the
-        other, the step's own preserved rows laid over them after, as `_own_rows` does. A
-        request whose prefix was prefetched in part goes through `gather`.
+        other, the step's own preserved rows laid over them after, as `_own_rows` does. Any
+        other request (a prefix prefetched in part, a plan with other sources, a fault hook)
+        goes through `gather`.
         """
         state = self._state
         shape = ctx.shapes[key]
@@ -324,7 +325,7 @@ class ConsumePath:
             elif plain and not partial:
                 assert record is not None
                 with state.ranges("omni_cache.hit_gather"):
-                    _close_read(record, buffer)  # HIT-7: the prefix is in the buffer already
+                    _close_read(record, buffer[:hit])  # HIT-7: the prefix is in it already
             else:
                 self.gather(buffer[:hit], read, record, ctx, current)
             own = buffer[hit:]
