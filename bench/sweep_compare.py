@@ -9,10 +9,11 @@ the median of the per-round ratios of the cycles (this tree / revision).
 
 Points are ``KIND:REQUESTS:WIDTH`` (`prefill` or `decode`, as in `sweep.py`); `--threaded` runs
 them on threaded managers instead of `sweep.py`'s inline ones (threaded mode's steps under
-2 MiB go through a staging page).
+2 MiB go through a staging page), `--no-prefetch` on managers without the hit prefetch (as the
+drop-in vLLM worker runs on the CPU).
 
 Run from the repository root: python bench/sweep_compare.py REV [--points P,..] [--rounds R]
-[--steps N] [--threaded]
+[--steps N] [--threaded] [--no-prefetch]
 """
 
 from __future__ import annotations
@@ -40,16 +41,24 @@ import sweep
 torch.set_num_threads(1)
 out = {{}}
 for kind, requests, width in {points!r}:
-    point = getattr(sweep, kind)(requests, width, {steps!r}, 3, threaded={threaded!r})
+    point = getattr(sweep, kind)(
+        requests, width, {steps!r}, 3, threaded={threaded!r}, prefetch={prefetch!r}
+    )
     out[f"{{kind}} {{requests}} x {{width}}"] = (point.cycle_ms, point.copy_ms)
 print(json.dumps(out))
 """
 
 
 def _run(
-    tree: Path, points: list[tuple[str, int, int]], steps: int, threaded: bool
+    tree: Path, points: list[tuple[str, int, int]], steps: int, threaded: bool, prefetch: bool
 ) -> dict[str, tuple[float, float]]:
-    code = _ROUND.format(bench=str(ROOT / "bench"), threaded=threaded, points=points, steps=steps)
+    code = _ROUND.format(
+        bench=str(ROOT / "bench"),
+        threaded=threaded,
+        prefetch=prefetch,
+        points=points,
+        steps=steps,
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=dict(os.environ, PYTHONPATH=str(tree)),
@@ -78,12 +87,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds per version")
     parser.add_argument("--steps", type=int, default=15, help="steps per point and round")
     parser.add_argument("--threaded", action="store_true", help="threaded managers")
+    parser.add_argument("--no-prefetch", action="store_true", help="managers without prefetch")
     args = parser.parse_args()
     points = _points(args.points)
     results = interleaved(
-        args.rev, args.rounds, lambda tree: _run(tree, points, args.steps, args.threaded)
+        args.rev,
+        args.rounds,
+        lambda tree: _run(tree, points, args.steps, args.threaded, not args.no_prefetch),
     )
-    mode = "threaded" if args.threaded else "inline"
+    mode = ("threaded" if args.threaded else "inline") + (" without prefetch" * args.no_prefetch)
     print(f"sweep points, {mode} managers, {args.rounds} rounds of {args.steps} steps per version")
     print(f"{'point':26} {'version':>10}  cycle ms per round / copy ms per round")
     for point in results["tree"][0]:

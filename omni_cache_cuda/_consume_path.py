@@ -296,11 +296,12 @@ class ConsumePath:
         rows, in one buffer per request (HIT-3, D27), into ``out``.
 
         A prefill of hundreds of short requests has hundreds of hit requests, so the usual case
-        takes two gathers per request and no per-row check (`_pool_rows_only`): its prefix in
-        one (`_plain_prefix`) unless the prefetch holds it whole (HIT-7), its own rows in the
-        other, the step's own preserved rows laid over them after, as `_own_rows` does. Any
-        other request (a prefix prefetched in part, a plan with other sources, a fault hook)
-        goes through `gather`.
+        takes no per-row check (`_pool_rows_only`) and no per-request gather where it can: the
+        requests no prefetch covers (HIT-7) are gathered together, prefix and own rows, into
+        shared buffers (`_gather_together`); a request whose prefix the prefetch holds whole
+        gets its own rows gathered behind it. The step's own preserved rows are laid over the
+        own rows after, as `_own_rows` does. Any other request (a prefix prefetched in part, a
+        plan with other sources, a fault hook) goes through `gather`.
         """
         state = self._state
         shape = ctx.shapes[key]
@@ -309,20 +310,22 @@ class ConsumePath:
         slots, req_rows = ctx.slots, ctx.req_rows
         plain = self._pool_rows_only(hit_reads.values())
         own_starts: list[tuple[int, int, torch.Tensor]] = []
+        together: list[tuple[str, ReadPlan, ReadRecord | None]] = []
         for req, read in hit_reads.items():
-            start, end = req_rows[req]
-            hit = len(read.slots)
             record = records.get(read.read_id)
             prefetch = record is not None and record.prefetch is not None
+            if plain and not prefetch:
+                together.append((req, read, record))
+                continue
+            start, end = req_rows[req]
+            hit = len(read.slots)
             buffer = _prefetched_buffer(record, hit, end - start, width) if prefetch else None
             # A prefetch that is not the whole prefix with room for this tail (or that failed):
             # `gather` takes the rows it has and reports a failure.
             partial = prefetch and buffer is None
             if buffer is None:
                 buffer = empty_rows((hit + end - start, width), shape.dtype)
-            if plain and not prefetch:
-                self._plain_prefix(buffer[:hit], read, record)
-            elif plain and not partial:
+            if plain and not partial:
                 assert record is not None
                 with state.ranges("omni_cache.hit_gather"):
                     _close_read(record, buffer[:hit])  # HIT-7: the prefix is in it already
@@ -332,11 +335,75 @@ class ConsumePath:
             torch.index_select(pool, 0, torch.from_numpy(slots[start:end]), out=own)
             own_starts.append((start, end, own))
             out[req] = buffer.view(hit + end - start, *features)
+        if together:
+            self._gather_together(key, ctx, together, own_starts, out)
         record = ctx.own[key]
         with record.lock:
             if record.preserved:
                 for start, end, own in own_starts:
                     _lay_over(record, np.arange(start, end, dtype=np.int64), own)
+
+    def _gather_together(
+        self,
+        key: TensorName,
+        ctx: StepContext,
+        together: list[tuple[str, ReadPlan, ReadRecord | None]],
+        own_starts: list[tuple[int, int, torch.Tensor]],
+        out: dict[str, torch.Tensor],
+    ) -> None:
+        """Hit requests whose prefix and own rows are all pool rows, no prefetch holding any:
+        their rows in one gather per group into one buffer, each request's prefix and own rows
+        next to each other, handed out as views (OUT-5), as the requests without a hit are.
+
+        A group stops short of `_TOGETHER_MAX_BYTES`: a larger new buffer costs the kernel more
+        to fault in than the gathers it saves (DESIGN D27). A gather that fails is made again
+        request by request, so the error names the request (HIT-4).
+        """
+        shape = ctx.shapes[key]
+        pool = self._pool.tensors[key]
+        slots, req_rows = ctx.slots, ctx.req_rows
+        row_bytes = shape.width * pool.element_size()
+        groups: list[list[tuple[str, ReadPlan, ReadRecord | None]]] = [[]]
+        group_rows = 0
+        for item in together:
+            start, end = req_rows[item[0]]
+            rows = len(item[1].slots) + end - start
+            if groups[-1] and (group_rows + rows) * row_bytes > _TOGETHER_MAX_BYTES:
+                groups.append([])
+                group_rows = 0
+            groups[-1].append(item)
+            group_rows += rows
+        for group in groups:
+            spans = [req_rows[req] for req, _, _ in group]
+            index = np.concatenate(
+                [
+                    part
+                    for (_, read, _), (start, end) in zip(group, spans, strict=True)
+                    for part in (read.slots, slots[start:end])
+                ]
+            )
+            sizes = [
+                len(read.slots) + end - start
+                for (_, read, _), (start, end) in zip(group, spans, strict=True)
+            ]
+            base = empty_rows((len(index), shape.width), shape.dtype)
+            with self._state.ranges("omni_cache.hit_gather"):
+                try:
+                    torch.index_select(pool, 0, torch.from_numpy(index), out=base)
+                except Exception:
+                    for (_, read, record), piece in zip(
+                        group, torch.split(base, sizes), strict=True
+                    ):
+                        self._plain_prefix(piece[: len(read.slots)], read, record)
+                    raise
+                for (req, read, record), (start, end), piece in zip(
+                    group, spans, torch.split(base, sizes), strict=True
+                ):
+                    hit = len(read.slots)
+                    if record is not None:
+                        _close_read(record, piece[:hit])
+                    own_starts.append((start, end, piece[hit:]))
+                    out[req] = piece.view(len(piece), *shape.features)
 
     def _pool_rows_only(self, reads: Iterable[ReadPlan]) -> bool:
         """Whether plain gathers may serve ``reads``: every planned row is a pool row (POOL, or
@@ -509,6 +576,11 @@ class ConsumePath:
         stream.synchronize()
         return picked
 
+
+#: The largest buffer `ConsumePath._gather_together` fills: the allocator reuses freed memory
+#: below its mapping threshold (at most 32 MiB with glibc); a larger new buffer is mapped afresh
+#: and its pages faulted in and zeroed each step (BENCHMARKS.md, fifth pass).
+_TOGETHER_MAX_BYTES = 16 << 20
 
 #: Sources at or below this code are pool rows (POOL, AFTER_WRITE): a plain gather reads them.
 _LAST_POOL_SOURCE = max(SlotSource.POOL.value, SlotSource.AFTER_WRITE.value)

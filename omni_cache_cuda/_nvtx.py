@@ -13,7 +13,8 @@ elsewhere the flag is accepted and every range is a shared no-op context manager
                                clones and the issue of the asynchronous copy)
 ``omni_cache.deferred_copy``   the committer: a deferred write's device clones to host rows
 ``omni_cache.pool_write``      the committer: a write's rows into the host pool
-``omni_cache.hit_gather``      `materialize`: one hit's prefix rows gathered into its output
+``omni_cache.hit_gather``      `materialize`: one hit's prefix rows gathered into its output (or,
+                               without a prefetch, several hit requests' rows gathered together)
 ``omni_cache.hit_prefetch``    the prefetch worker: a hit's committed rows gathered early
 ``omni_cache.wait.<what>``     a bounded wait: ``page`` (a staging page claim), ``save_barrier``,
                                ``budget_flush``, ``hit_join`` (a hit waiting for its write),

@@ -19,6 +19,7 @@ import torch
 
 from omni_cache_cuda import (
     HIDDEN_KEY,
+    HitUnreadableError,
     OmniPrefixCacheManager,
     PrefixCacheConfig,
     PrefixCacheEventKind,
@@ -27,6 +28,7 @@ from omni_cache_cuda import (
     PrefixCacheWriteLayout,
     StagingCopyError,
     WriteFailedError,
+    _consume_path,
 )
 from omni_cache_cuda._consume_path import ConsumePath
 from omni_cache_cuda._save_path import DIRECT_WRITE_MIN_BYTES
@@ -336,3 +338,77 @@ def test_hit_requests_of_pool_rows_take_plain_gathers(
             assert sorted(gathered) == (sorted(reqs[:2] * 2) if hook else [])
             gathered.clear()
             ended = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in reqs]
+
+
+def _hit_step(
+    m: OmniPrefixCacheManager, reqs: list[str], first_block: int
+) -> tuple[int, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """A step of requests on the 32-token prefix of a request written first (each 16 tokens of
+    its own); returns the step id, the prefix rows and the step's own rows."""
+    prefix_blocks = _blocks(200, 32)
+    rows = _rows(32, 0.5)
+    kept = (rows[0].clone(), rows[1].clone())
+    step = _save(
+        m, [_start("p", prefix_blocks, 32)], {"p": 32}, {"p": 0}, {"p": prefix_blocks}, rows
+    )
+    m.materialize(step, ["p"])
+    settle(m)
+    blocks = {r: [*prefix_blocks, first_block + i] for i, r in enumerate(reqs)}
+    events = [PrefixCacheRequestEvent(req_id="p", kind=FINISHED)]
+    events += [_start(r, blocks[r], 16, 32) for r in reqs]
+    own = _rows(16 * len(reqs), 50.0)
+    step = _save(m, events, dict.fromkeys(reqs, 16), dict.fromkeys(reqs, 32), blocks, own)
+    return step, kept, own
+
+
+@pytest.mark.parametrize("cap_rows", [1, 48, 1000])
+def test_hit_requests_gathered_together_in_groups_under_the_cap(
+    threaded: bool, cap_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HIT-3, OUT-5, D27: with no prefetch, hit requests on pool rows are gathered together
+    into buffers of at most `_TOGETHER_MAX_BYTES` (one request's rows alone when it is larger);
+    every request gets its prefix then its own rows, whatever the grouping."""
+    row_bytes = WIDTH * 4
+    monkeypatch.setattr(_consume_path, "_TOGETHER_MAX_BYTES", cap_rows * row_bytes)
+    config = PrefixCacheConfig(num_blocks=256, block_size=BLOCK, staging_capacity_tokens=2048)
+    reqs = [f"h{i}" for i in range(5)]
+    with OmniPrefixCacheManager(config, device="cpu", threaded=threaded, prefetch=False) as m:
+        step, kept, own = _hit_step(m, reqs, 100)
+        out = m.materialize(step, reqs)
+    bases = {out.hidden_states[r].untyped_storage().data_ptr() for r in reqs}
+    if not threaded:  # behind a page (threaded, small steps) each request has its own buffer
+        assert len(bases) == {1: 5, 48: 5, 1000: 1}[cap_rows]  # 48 rows: one request per group
+    for i, req in enumerate(reqs):
+        assert torch.equal(out.hidden_states[req][:32], kept[0])
+        assert torch.equal(out.mm_outputs[MM][req][:32], kept[1])
+        assert torch.equal(out.hidden_states[req][32:], own[0][16 * i : 16 * (i + 1)])
+
+
+def test_a_failed_gather_together_names_the_request_whose_prefix_fails(
+    threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HIT-4: when the gather of several hit requests together fails, each prefix is gathered
+    again alone, and the error names the request whose prefix cannot be read."""
+    if threaded:
+        pytest.skip("behind a page (threaded mode's small steps) each request is gathered alone")
+    config = PrefixCacheConfig(num_blocks=256, block_size=BLOCK, staging_capacity_tokens=2048)
+    reqs = ["x0", "x1", "x2"]
+    select = torch.index_select
+    failing: list[int] = []
+
+    def index_select(source: torch.Tensor, dim: int, index: torch.Tensor, **kw: Any) -> Any:
+        # Fails the gather of all three requests (80 rows: 3 prefixes, 3 x 16 own rows), then
+        # the second prefix gathered alone (the retry's second 32-row gather).
+        if len(index) == 32:
+            failing.append(1)
+        if len(index) == 3 * 48 or (len(index) == 32 and len(failing) == 2):
+            raise RuntimeError("injected gather failure")
+        return select(source, dim, index, **kw)
+
+    with OmniPrefixCacheManager(config, device="cpu", threaded=False, prefetch=False) as m:
+        step, _, _ = _hit_step(m, reqs, 100)
+        monkeypatch.setattr(_consume_path.torch, "index_select", index_select)
+        with pytest.raises(HitUnreadableError) as caught:
+            m.materialize(step, reqs)
+    assert caught.value.req_id == "x1"
+    assert "injected gather failure" in caught.value.reason
