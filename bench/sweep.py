@@ -19,9 +19,9 @@ and `fixed ms` = cycle - copy, the bookkeeping. Read across a row for what grows
 bookkeeping across widths and a ratio falling to 1 with width is the healthy shape.
 
 `--plot PATH` writes a figure of both (matplotlib): bookkeeping against requests, and the
-cycle's ratio to its copies against bytes per step. `decode` and `prefill` take `threaded=True`
-for a threaded manager and `prefetch=False` for one without the hit prefetch (`sweep_compare.py
---threaded`, `--no-prefetch`).
+cycle's ratio to its copies against bytes per step. `decode` and `prefill` take a `Mode`: a
+threaded manager, or one without the hit prefetch (`sweep_compare.py --threaded`,
+`--no-prefetch`).
 
 Run: python bench/sweep.py [--steps N] [--rounds R] [--widths 1024,4096,8192]
      [--batches 16,64,256,1024] [--plot docs/sweep.png]
@@ -104,14 +104,26 @@ class Buffers:
         return time.thread_time() - t0
 
 
-def _manager(
-    num_blocks: int, step_rows: int, threaded: bool, prefetch: bool = True
-) -> OmniPrefixCacheManager:
+@dataclass(frozen=True)
+class Mode:
+    """How the manager of a point runs: `sweep.py` uses inline managers with the prefetch on;
+    `sweep_compare.py` can ask for threaded ones, or none with the hit prefetch."""
+
+    threaded: bool = False
+    prefetch: bool = True
+
+
+INLINE = Mode()
+
+
+def _manager(num_blocks: int, step_rows: int, mode: Mode) -> OmniPrefixCacheManager:
     capacity = max(1024, step_rows)
     config = PrefixCacheConfig(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, staging_capacity_tokens=capacity
     )
-    return OmniPrefixCacheManager(config, device="cpu", threaded=threaded, prefetch=prefetch)
+    return OmniPrefixCacheManager(
+        config, device="cpu", threaded=mode.threaded, prefetch=mode.prefetch
+    )
 
 
 def _cycle(
@@ -129,15 +141,7 @@ def _cycle(
     return time.thread_time() - t0
 
 
-def decode(
-    requests: int,
-    width: int,
-    steps: int,
-    warmup: int,
-    *,
-    threaded: bool = False,
-    prefetch: bool = True,
-) -> Point:
+def decode(requests: int, width: int, steps: int, warmup: int, mode: Mode = INLINE) -> Point:
     blocks_per_req = 8
     num_blocks = requests * blocks_per_req
     reqs = [f"d{i}" for i in range(requests)]
@@ -153,7 +157,7 @@ def decode(
     buffers = Buffers(num_blocks * BLOCK_SIZE, width, requests)
     no_hits = torch.zeros(0, dtype=torch.int64)
     cycle, copy, layout_s = [], [], []
-    with _manager(num_blocks, requests, threaded, prefetch) as m:
+    with _manager(num_blocks, requests, mode) as m:
         for pos in range(warmup + steps):
             step = PrefixCacheStep(events=starts if pos == 0 else (), scheduled_tokens=ones)
             t0 = time.thread_time()
@@ -174,15 +178,7 @@ def decode(
     return _point("decode", requests, width, cycle, copy, layout_s, requests)
 
 
-def prefill(
-    requests: int,
-    width: int,
-    steps: int,
-    warmup: int,
-    *,
-    threaded: bool = False,
-    prefetch: bool = True,
-) -> Point:
+def prefill(requests: int, width: int, steps: int, warmup: int, mode: Mode = INLINE) -> Point:
     blocks_per_req = PREFILL_TOKENS // BLOCK_SIZE
     shared = [0]
     num_blocks = 1 + 2 * requests * blocks_per_req  # this step's and the step before's
@@ -193,7 +189,7 @@ def prefill(
     )
     buffers = Buffers(num_blocks * BLOCK_SIZE, width, requests * PREFILL_TOKENS)
     cycle, copy, layout_s = [], [], []
-    with _manager(num_blocks, computed_rows, threaded, prefetch) as m:
+    with _manager(num_blocks, computed_rows, mode) as m:
         # The shared block, written once by a request that stays live.
         warm = PrefixCacheWriteLayout.from_block_tables(
             ["warm"], {"warm": HIT_TOKENS}, {"warm": 0}, {"warm": shared}, BLOCK_SIZE

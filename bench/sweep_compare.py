@@ -41,9 +41,8 @@ import sweep
 torch.set_num_threads(1)
 out = {{}}
 for kind, requests, width in {points!r}:
-    point = getattr(sweep, kind)(
-        requests, width, {steps!r}, 3, threaded={threaded!r}, prefetch={prefetch!r}
-    )
+    mode = sweep.Mode(threaded={threaded!r}, prefetch={prefetch!r})
+    point = getattr(sweep, kind)(requests, width, {steps!r}, 3, mode)
     out[f"{{kind}} {{requests}} x {{width}}"] = (point.cycle_ms, point.copy_ms)
 print(json.dumps(out))
 """
