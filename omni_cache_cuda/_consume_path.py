@@ -180,31 +180,17 @@ class ConsumePath:
             out = request_rows(current[key], ctx.req_rows, wanted)
             key_reads = [read for (_, read_key), read in reads.items() if read_key == key]
             plain = self._pool_rows_only(key_reads)
-            width = ctx.shapes[key].width
             for read in key_reads:
                 req: str = read.req_id
                 if req not in out:
                     continue
-                # One buffer per hit request: the prefix is gathered straight into it, or was
-                # by the prefetch, whose buffer has room for the step's rows behind it (HIT-7).
+                # One buffer per hit request: its prefix, then its rows of the page.
                 tail = out[req]
-                hit = len(read.slots)
                 record = records.get(read.read_id)
-                prefetch = record is not None and record.prefetch is not None
-                flat = _prefetched_buffer(record, hit, len(tail), width) if prefetch else None
-                if flat is not None and plain:
-                    assert record is not None
-                    with self._state.ranges("omni_cache.hit_gather"):
-                        _close_read(record, flat[:hit])
-                else:
-                    flat = empty_rows((hit + len(tail), width), tail.dtype)
-                    if plain and not prefetch:
-                        self._plain_prefix(flat[:hit], read, record)
-                    else:
-                        self.gather(flat[:hit], read, record, ctx, current)
+                flat = self._hit_buffer(read, record, len(tail), plain, ctx, current)
                 # An explicit width: a request with 0 rows this step has an empty tail.
-                flat[hit:].copy_(tail.reshape(len(tail), width))
-                out[req] = flat.view(hit + len(tail), *tail.shape[1:])
+                flat[len(read.slots) :].copy_(tail.reshape(len(tail), flat.shape[1]))
+                out[req] = flat.view(len(flat), *tail.shape[1:])
             for req, k in skips.items():
                 out[req] = out[req][k:]
             for req, take in takes.items():
@@ -293,7 +279,7 @@ class ConsumePath:
         out: dict[str, torch.Tensor],
     ) -> None:
         """Each hit request's rows of a key the step wrote to the pool: its prefix, then its own
-        rows, in one buffer per request (HIT-3, D27), into ``out``.
+        rows, next to each other in a buffer (HIT-3, D27), into ``out``.
 
         A prefill of hundreds of short requests has hundreds of hit requests, so the usual case
         takes no per-row check (`_pool_rows_only`) and no per-request gather where it can: the
@@ -303,38 +289,23 @@ class ConsumePath:
         own rows after, as `_own_rows` does. Any other request (a prefix prefetched in part, a
         plan with other sources, a fault hook) goes through `gather`.
         """
-        state = self._state
         shape = ctx.shapes[key]
-        width, features = shape.width, shape.features
         pool = self._pool.tensors[key]
         slots, req_rows = ctx.slots, ctx.req_rows
         plain = self._pool_rows_only(hit_reads.values())
         own_starts: list[tuple[int, int, torch.Tensor]] = []
-        together: list[tuple[str, ReadPlan, ReadRecord | None]] = []
+        together: list[_Together] = []
         for req, read in hit_reads.items():
             record = records.get(read.read_id)
-            prefetch = record is not None and record.prefetch is not None
-            if plain and not prefetch:
-                together.append((req, read, record))
-                continue
             start, end = req_rows[req]
-            hit = len(read.slots)
-            buffer = _prefetched_buffer(record, hit, end - start, width) if prefetch else None
-            # A prefetch that is not the whole prefix with room for this tail (or that failed):
-            # `gather` takes the rows it has and reports a failure.
-            partial = prefetch and buffer is None
-            if buffer is None:
-                buffer = empty_rows((hit + end - start, width), shape.dtype)
-            if plain and not partial:
-                assert record is not None
-                with state.ranges("omni_cache.hit_gather"):
-                    _close_read(record, buffer[:hit])  # HIT-7: the prefix is in it already
-            else:
-                self.gather(buffer[:hit], read, record, ctx, current)
-            own = buffer[hit:]
+            if plain and (record is None or record.prefetch is None):
+                together.append((req, read, record, start, end))
+                continue
+            buffer = self._hit_buffer(read, record, end - start, plain, ctx, current)
+            own = buffer[len(read.slots) :]
             torch.index_select(pool, 0, torch.from_numpy(slots[start:end]), out=own)
             own_starts.append((start, end, own))
-            out[req] = buffer.view(hit + end - start, *features)
+            out[req] = buffer.view(len(buffer), *shape.features)
         if together:
             self._gather_together(key, ctx, together, own_starts, out)
         record = ctx.own[key]
@@ -343,11 +314,43 @@ class ConsumePath:
                 for start, end, own in own_starts:
                     _lay_over(record, np.arange(start, end, dtype=np.int64), own)
 
+    def _hit_buffer(
+        self,
+        read: ReadPlan,
+        record: ReadRecord | None,
+        tail: int,
+        plain: bool,
+        ctx: StepContext,
+        current: Mapping[TensorName, torch.Tensor],
+    ) -> torch.Tensor:
+        """A buffer of a hit's prefix rows and ``tail`` more rows, the prefix in place (HIT-3):
+        the prefetch's own when it holds the whole prefix with room for the tail (HIT-7), else
+        a new one. ``plain`` (`_pool_rows_only`) lets a prefix be gathered without per-row
+        checks; a prefix prefetched in part, or any other, goes through `gather`, which takes
+        the prefetched rows and reports a failed prefetch. The rows behind are the caller's.
+        """
+        shape = ctx.shapes[read.key]
+        hit = len(read.slots)
+        prefetch = record is not None and record.prefetch is not None
+        buffer = _prefetched_buffer(record, hit, tail, shape.width) if prefetch else None
+        if buffer is not None and plain:
+            assert record is not None
+            with self._state.ranges("omni_cache.hit_gather"):
+                _close_read(record, buffer[:hit])  # the prefix is in it already
+            return buffer
+        if buffer is None:
+            buffer = empty_rows((hit + tail, shape.width), shape.dtype)
+        if plain and not prefetch:
+            self._plain_prefix(buffer[:hit], read, record)
+        else:
+            self.gather(buffer[:hit], read, record, ctx, current)
+        return buffer
+
     def _gather_together(
         self,
         key: TensorName,
         ctx: StepContext,
-        together: list[tuple[str, ReadPlan, ReadRecord | None]],
+        together: list[_Together],
         own_starts: list[tuple[int, int, torch.Tensor]],
         out: dict[str, torch.Tensor],
     ) -> None:
@@ -361,43 +364,38 @@ class ConsumePath:
         """
         shape = ctx.shapes[key]
         pool = self._pool.tensors[key]
-        slots, req_rows = ctx.slots, ctx.req_rows
         row_bytes = shape.width * pool.element_size()
-        groups: list[list[tuple[str, ReadPlan, ReadRecord | None]]] = [[]]
+        groups: list[list[_Together]] = [[]]
         group_rows = 0
         for item in together:
-            start, end = req_rows[item[0]]
-            rows = len(item[1].slots) + end - start
+            _, read, _, start, end = item
+            rows = len(read.slots) + end - start
             if groups[-1] and (group_rows + rows) * row_bytes > _TOGETHER_MAX_BYTES:
                 groups.append([])
                 group_rows = 0
             groups[-1].append(item)
             group_rows += rows
         for group in groups:
-            spans = [req_rows[req] for req, _, _ in group]
             index = np.concatenate(
                 [
                     part
-                    for (_, read, _), (start, end) in zip(group, spans, strict=True)
-                    for part in (read.slots, slots[start:end])
+                    for _, read, _, start, end in group
+                    for part in (read.slots, ctx.slots[start:end])
                 ]
             )
-            sizes = [
-                len(read.slots) + end - start
-                for (_, read, _), (start, end) in zip(group, spans, strict=True)
-            ]
+            sizes = [len(read.slots) + end - start for _, read, _, start, end in group]
             base = empty_rows((len(index), shape.width), shape.dtype)
             with self._state.ranges("omni_cache.hit_gather"):
                 try:
                     torch.index_select(pool, 0, torch.from_numpy(index), out=base)
                 except Exception:
-                    for (_, read, record), piece in zip(
+                    for (_, read, record, _, _), piece in zip(
                         group, torch.split(base, sizes), strict=True
                     ):
                         self._plain_prefix(piece[: len(read.slots)], read, record)
                     raise
-                for (req, read, record), (start, end), piece in zip(
-                    group, spans, torch.split(base, sizes), strict=True
+                for (req, read, record, start, end), piece in zip(
+                    group, torch.split(base, sizes), strict=True
                 ):
                     hit = len(read.slots)
                     if record is not None:
@@ -576,6 +574,9 @@ class ConsumePath:
         stream.synchronize()
         return picked
 
+
+#: A hit request `ConsumePath._gather_together` serves: its id, read, record and own rows' range.
+_Together = tuple[str, ReadPlan, ReadRecord | None, int, int]
 
 #: The largest buffer `ConsumePath._gather_together` fills: the allocator reuses freed memory
 #: below its mapping threshold (at most 32 MiB with glibc); a larger new buffer is mapped afresh

@@ -397,8 +397,8 @@ def test_a_failed_gather_together_names_the_request_whose_prefix_fails(
     failing: list[int] = []
 
     def index_select(source: torch.Tensor, dim: int, index: torch.Tensor, **kw: Any) -> Any:
-        # Fails the gather of all three requests (80 rows: 3 prefixes, 3 x 16 own rows), then
-        # the second prefix gathered alone (the retry's second 32-row gather).
+        # Fails the gather of all three requests (144 rows: 3 prefixes of 32, 3 x 16 own rows),
+        # then the second prefix gathered alone (the retry's second 32-row gather).
         if len(index) == 32:
             failing.append(1)
         if len(index) == 3 * 48 or (len(index) == 32 and len(failing) == 2):
