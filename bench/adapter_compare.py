@@ -5,9 +5,8 @@ two such runs minutes apart cannot tell a 20 % change from the swing. This scrip
 packages of a git revision into a temporary folder and runs `adapter_step.py` (this tree's copy;
 it uses only the public API) alternately against that revision and this tree, one round each in
 a fresh process, the order flipped every round, so neighbouring rounds see the same machine
-state. It prints each round's
-figures per version and the median ratio (this tree / revision) of the engine thread's CPU time
-and of the process's CPU time per cycle, per row.
+state. It prints each round's figures per version and the median ratio (this tree / revision)
+of the engine thread's CPU time and of the process's CPU time per cycle, per row.
 
 Run from the repository root: python bench/adapter_compare.py REV [--rounds R] [--steps N]
 """

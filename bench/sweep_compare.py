@@ -2,9 +2,9 @@
 
 `sweep.py` prints one run of each point; a change of 20 % at a point cannot be told from the
 machine's swing between two such runs. This script extracts the packages of a git revision
-(as `adapter_compare.py` does, with its `interleaved`) and runs the chosen points of `sweep.py` (this tree's copy)
-alternately against that revision and this tree, one round each in a fresh process, the order
-of the two flipped every round. It prints each round's cycle and copy figures per version and
+and runs the chosen points of `sweep.py` (this tree's copy) alternately against that revision
+and this tree, one round each in a fresh process, the order of the two flipped every round
+(`adapter_compare.interleaved`). It prints each round's cycle and copy figures per version and
 the median of the per-round ratios of the cycles (this tree / revision).
 
 Points are ``KIND:REQUESTS:WIDTH`` (`prefill` or `decode`, as in `sweep.py`); `--threaded` runs
