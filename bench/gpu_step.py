@@ -31,15 +31,17 @@ apart by the manager's range hooks (the NVTX range names):
   from the caller's tensors straight into the pool);
 - `pool write`: the rows into the host pool, one assignment per key;
 - `own rows`: `materialize` outside the hit gathers: the step's own rows (on the CPU gathered
-  out of the pool, one `index_select` per key for the requests without a hit and one per hit
-  request; on CUDA the page's rows cloned once per key and each hit request's copied behind
-  its prefix);
-- `hit gather`: the hit prefixes gathered out of the pool: one `index_select` per hit request
-  and key whatever the layout; next to it the hit's contiguous slot runs (the copies a per-run
-  gather, as a device-side one would be, launches) and its blocks (a per-block copy's count);
+  out of the pool, one `index_select` per key for the requests without a hit; on CUDA the
+  page's rows cloned once per key and each hit request's copied behind its prefix);
+- `hit gather`: the hit prefixes gathered out of the pool, whatever the layout: on CUDA one
+  `index_select` per hit request and key; on the CPU without a prefetch the hit requests'
+  prefixes and own rows together, one `index_select` per key for up to 16 MiB of rows (DESIGN
+  D27). Next to it the hit's contiguous slot runs (the copies a per-run gather, as a
+  device-side one would be, launches) and its blocks (a per-block copy's count);
 - `to device`: the caller moving the returned rows to the device, one `.to(device)` per
-  contiguous buffer and key (the requests without a hit share one buffer, each hit request
-  has its own); on the CPU a `.to(copy=True)` stands in.
+  contiguous buffer and key (the requests without a hit share one buffer; on CUDA each hit
+  request has its own, on the CPU the hit requests gathered together share theirs); on the
+  CPU a `.to(copy=True)` stands in.
 The counting manager is inline and does not prefetch (HIT-7), so every op runs on the thread
 the mode watches; the threaded committer and the prefetch worker launch the same ops elsewhere.
 
@@ -369,10 +371,14 @@ def count_copies(device: torch.device) -> None:
                     )
                     for key in keys
                 }
+                how = (
+                    "the hit requests' prefixes and own rows together, one index_select per key"
+                    if device.type == "cpu"
+                    else "one index_select per hit request and key"
+                )
                 print(
                     f"  hit gather: {gathers[HIDDEN_KEY]} ops for hidden, {gathers[MM_KEY]} for "
-                    f"{MM_KEY}: one index_select per hit request and key, whatever the layout "
-                    f"({len(reqs_hit)} hit requests);"
+                    f"{MM_KEY}: {how}, whatever the layout ({len(reqs_hit)} hit requests);"
                 )
                 print(
                     f"  a gather per contiguous slot run would launch {runs} copies per key, "
