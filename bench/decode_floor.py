@@ -47,7 +47,10 @@ the threads the manager starts inherit that or are moved, so where each thread r
 
 Beside the parts, two whole-step figures: `wall` of `step_begin` + `save` (what the engine
 waits for), and `process` CPU per step (`time.process_time` over `step_begin`, `save` and
-`materialize`: every thread's work for the step, the committer's included).
+`materialize`: every thread's work for the step, the committer's included). Under the threaded
+variants, the committer thread's CPU and wall time per step write (`Committer.run` on that
+thread, medians): wall beyond CPU is time the write waited, for the GIL above all, which it
+gives up during each key's numpy row copy and must take back from the engine thread.
 
 The wrappers add about a microsecond per wrapped call; the `total` column is measured around
 `step_begin` + `save` without them being subtracted, so compare totals with each other, not with
@@ -67,6 +70,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -115,6 +119,8 @@ class Parts:
         self.step: collections.Counter[str] = collections.Counter()
         self.samples: dict[str, list[int]] = collections.defaultdict(list)
         self.waits = 0
+        #: Per step write run by the committer thread: its CPU time and wall time (ns).
+        self.jobs: list[tuple[int, int]] = []
 
     def close_step(self) -> None:
         for name in self.samples.keys() | self.step.keys():
@@ -130,6 +136,10 @@ class Parts:
     def mean_us(self, name: str) -> float:
         values = self.samples.get(name)
         return sum(values) / len(values) / 1e3 if values else 0.0
+
+
+def _median_us(pairs: list[tuple[int, int]], index: int) -> float:
+    return statistics.median(p[index] for p in pairs) / 1e3 if pairs else 0.0
 
 
 @contextmanager
@@ -152,10 +162,23 @@ def timed(parts: Parts) -> Iterator[None]:
 
         return call
 
+    def job(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(committer: _committer.Committer, job: _committer.WriteJob) -> None:
+            t0, w0 = clock(), wall()
+            fn(committer, job)
+            if threading.current_thread() is committer._thread:
+                parts.jobs.append((clock() - t0, wall() - w0))
+
+        return run
+
     for owner, attr, name in _TIMED:
         fn = owner.__dict__[attr]
         originals.append((owner, attr, fn))
         setattr(owner, attr, wrapper(fn, name))
+    run = _committer.Committer.__dict__["run"]
+    originals.append((_committer.Committer, "run", run))
+    _committer.Committer.run = job(run)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -183,18 +206,32 @@ def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -
     mm = torch.randn(CAPACITY, MM_WIDTH).to(DTYPE)
     parts = Parts()
     threaded = variant != INLINE
+    with (
+        on_first_cpu() as cpus,
+        VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue,
+    ):
+        committer = glue.manager._state.committer._thread
+        if variant == TWO_VCPUS and committer is not None:
+            to_second_cpu(committer, cpus)
+        _steps(glue, parts, setup, steps, warmup, variant, hidden, mm)
+    return parts
+
+
+@contextmanager
+def on_first_cpu() -> Iterator[list[int]]:
+    """Pin this thread, and the threads it starts meanwhile, to its first CPU; yield its CPUs."""
     cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, cpus[:1])  # this thread, and the threads the manager starts
+    os.sched_setaffinity(0, cpus[:1])
     try:
-        with VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue:
-            committer = glue.manager._state.committer._thread
-            if variant == TWO_VCPUS and committer is not None:
-                assert committer.native_id is not None
-                os.sched_setaffinity(committer.native_id, cpus[1:2])
-            _steps(glue, parts, setup, steps, warmup, variant, hidden, mm)
+        yield cpus
     finally:
         os.sched_setaffinity(0, cpus)
-    return parts
+
+
+def to_second_cpu(thread: threading.Thread, cpus: list[int]) -> None:
+    """Move a started thread to the second of ``cpus``."""
+    assert thread.native_id is not None
+    os.sched_setaffinity(thread.native_id, cpus[1:2])
 
 
 def _steps(
@@ -299,7 +336,9 @@ def main() -> None:
         if variant in (TWO_VCPUS, ONE_VCPU):
             print(
                 f"{'':<38}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
-                f"{best.waits} of {len(best.samples['total'])} steps"
+                f"{best.waits} of {len(best.samples['total'])} steps; the committer's write "
+                f"of a step: CPU {_median_us(best.jobs, 0):.1f} us, wall "
+                f"{_median_us(best.jobs, 1):.1f} us"
             )
 
 

@@ -1,0 +1,340 @@
+"""The least engine-thread work a decode step can cost on the CPU, beside the library's.
+
+`vllm_glue.py` sets a decode step's target at 250 us of engine-thread CPU for `step_begin` +
+`save` (256 requests x 1 token, hidden states of width 2048 in bf16 plus one mm key of width
+16, threaded). This script measures how much of that any prefix cache must spend on this
+machine, whatever its design: `LeastCache` serves the same steady decode steps doing only what
+serving them needs, and nothing that decides an error.
+
+What `LeastCache` does per step, on the engine thread:
+
+- begin: reads the scheduler output's fields (finished, preempted, new and cached requests,
+  drafts, block copies) and takes its one path only when the step is a plain decode step (the
+  one test it makes); looks the cached requests' rows of its block table up once per id list,
+  kept while the next step's list is equal (as the glue's memo does); appends each added block
+  to its row; reads the starts as an array;
+- save: the runner's order's table rows, looked up the same way; the slots from the block
+  table and the starts (array operations); one mark of the slots per key in an owner table (a
+  later read must know whose rows a slot holds); the lowest free landing page; the copy of both
+  keys' rows into it; the hand-off of the page's write to a writer thread (a deque and a
+  condition, as the committer's).
+
+What it leaves out, all of which the library does: every check of its input (types, counts,
+request ids, positions, slot ranges, page sizes, key shapes), the request records and their
+lifecycle, the core's save transaction and its step, the state lock, the page holders, the
+preservation of rows older reads planned on (HIT-6), the write's reports and waiters, stats
+and metrics. So its figure is a floor: a correct cache does at least this.
+
+The rest of the step is the library's: the writer thread scatters the page's rows into a pool
+of the same size (16384 blocks of 16 slots, byte views, as the committer), and the consume
+(right after the save, on the same thread, as `vllm_glue.py` runs it; not timed) copies the
+step's rows out of its page into one fresh tensor per key. So the memory traffic that decides
+how cold the engine thread's caches are when the next step begins is the same.
+
+Both run the same scheduler outputs (`vllm_glue.decode_steps`, the runner's order kept) and the
+same tensors, in alternating rounds, in two thread placements (Linux only; see
+`decode_floor.py`): `one vCPU` (the writer or committer thread on the engine thread's CPU) and
+`two vCPUs` (on the other one, left out on a single CPU). Per placement it prints the medians of
+the quietest round of each (engine-thread CPU for begin + save, and the least's parts: its
+landing copy, its hand-off, the rest), the library's ratio to the least and how much of the
+target the least leaves for everything it leaves out. Before the rounds it checks once that
+the least cache marks and writes the slots of the glue's own layouts for every step and hands
+back the rows saved (`check_least`).
+
+Run: python bench/decode_least.py [--steps N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import operator
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from adapter_step import (
+    BLOCK_SIZE,
+    CAPACITY,
+    DTYPE,
+    MM_KEY,
+    MM_WIDTH,
+    NUM_BLOCKS,
+    WIDTH,
+    make_manager,
+)
+from decode_floor import on_first_cpu, to_second_cpu
+from vllm_glue import ENGINE_TARGET_US, Step, decode_steps, recorded
+
+from omni_cache_cuda._storage import alloc_host
+from omni_cache_cuda.vllm import VllmPrefixCache
+
+ONE_VCPU = "one vCPU"
+TWO_VCPUS = "two vCPUs"
+#: Landing pages, as the library's default staging depth.
+PAGES = 4
+
+
+class LeastCache:
+    """A decode step's least work (module docstring); serves nothing but plain decode steps."""
+
+    def __init__(self) -> None:
+        slots = NUM_BLOCKS * BLOCK_SIZE
+        widths = {"hidden": WIDTH, MM_KEY: MM_WIDTH}
+        self.pool = {k: alloc_host((slots, w), DTYPE, pin=False) for k, w in widths.items()}
+        self.pages = [
+            {k: alloc_host((CAPACITY, w), DTYPE, pin=False) for k, w in widths.items()}
+            for _ in range(PAGES)
+        ]
+        self.owner = {k: np.full(slots, -1, dtype=np.int32) for k in widths}
+        self.table = np.full((512, 256), -1, dtype=np.int32)
+        self.lens = np.zeros(512, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self.ids: list[str] | None = None  # the last cached-request list and its rows
+        self.rows = np.zeros(0, dtype=np.int64)
+        self.order: list[str] | None = None  # the last runner order and its rows
+        self.order_rows = np.zeros(0, dtype=np.int64)
+        self.row_start = np.zeros(512, dtype=np.int64)
+        self.busy = [False] * PAGES  # a page is busy from its copy until its write is done
+        self.tid = 0
+        self.queue: collections.deque[tuple[int, np.ndarray, int] | None] = collections.deque()
+        self.cv = threading.Condition()
+        self.writer = threading.Thread(target=self._write_loop, daemon=True)
+        self.writer.start()
+        self.copy_ns = 0  # the current step's landing copy and hand-off, thread CPU time
+        self.hand_off_ns = 0
+
+    def start(self, steps: Sequence[Step]) -> None:
+        """Take the setup steps' new requests and their blocks (not timed)."""
+        for step in steps:
+            for new in step.so.scheduled_new_reqs:
+                row = self.row_of[new.req_id] = len(self.row_of)
+                blocks = new.block_ids[0]
+                self.table[row, : len(blocks)] = blocks
+                self.lens[row] = len(blocks)
+
+    def begin(self, so: Any) -> None:
+        """A decode step's scheduler output: blocks added, starts read."""
+        cached = so.scheduled_cached_reqs
+        if (
+            so.finished_req_ids
+            or so.preempted_req_ids
+            or so.scheduled_new_reqs
+            or so.scheduled_spec_decode_tokens
+            or so.kv_cache_block_copies
+            or cached.resumed_req_ids
+        ):
+            raise NotImplementedError("the least cache serves plain decode steps only")
+        ids = cached.req_ids
+        if ids != self.ids:
+            self.rows = np.array(operator.itemgetter(*ids)(self.row_of), dtype=np.int64)
+            self.ids = list(ids)
+        added = cached.new_block_ids
+        if any(added):
+            table, lens, row_of = self.table, self.lens, self.row_of
+            for req_id, blocks in zip(ids, added, strict=True):
+                if blocks:
+                    row = row_of[req_id]
+                    table[row, lens[row]] = blocks[0][0]
+                    lens[row] += 1
+        starts = np.fromiter(cached.num_computed_tokens, dtype=np.int64, count=len(ids))
+        self.row_start[self.rows] = starts
+
+    def save(self, hidden: torch.Tensor, mm: torch.Tensor, order: list[str]) -> int:
+        """The step's rows into a landing page, its write handed to the writer; its page."""
+        if order != self.order:
+            self.order_rows = np.array(operator.itemgetter(*order)(self.row_of), dtype=np.int64)
+            self.order = list(order)
+        rows = self.order_rows
+        starts = self.row_start[rows]
+        slots = self.table[rows, starts // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
+        slots += starts % BLOCK_SIZE
+        tid = self.tid = self.tid + 1
+        for owner in self.owner.values():
+            owner[slots] = tid
+        with self.cv:
+            while all(self.busy):
+                self.cv.wait()
+            page = self.busy.index(False)
+            self.busy[page] = True
+        t0 = time.thread_time_ns()
+        n = len(order)
+        landing = self.pages[page]
+        landing["hidden"][:n].copy_(hidden)
+        landing[MM_KEY][:n].copy_(mm)
+        t1 = time.thread_time_ns()
+        with self.cv:
+            self.queue.append((page, slots, n))
+            self.cv.notify()
+        self.copy_ns, self.hand_off_ns = t1 - t0, time.thread_time_ns() - t1
+        return page
+
+    def consume(self, page: int, n: int) -> dict[str, torch.Tensor]:
+        """The step's rows out of its page, one fresh tensor per key."""
+        return {k: v[:n].clone() for k, v in self.pages[page].items()}
+
+    def close(self) -> None:
+        with self.cv:
+            self.queue.append(None)
+            self.cv.notify()
+        self.writer.join()
+
+    def _write_loop(self) -> None:
+        pool = {k: v.view(torch.uint8).numpy() for k, v in self.pool.items()}
+        pages = [{k: v.view(torch.uint8).numpy() for k, v in p.items()} for p in self.pages]
+        while True:
+            with self.cv:
+                while not self.queue:
+                    self.cv.wait()
+                job = self.queue.popleft()
+            if job is None:
+                return
+            page, slots, n = job
+            for key, target in pool.items():
+                target[slots] = pages[page][key][:n]
+            with self.cv:
+                self.busy[page] = False
+                self.cv.notify()
+
+
+def check_least(setup: list[Step], steps: list[Step], tensors: Any) -> None:
+    """Check that the least cache writes the slots of the glue's own layouts, and the rows.
+
+    Raises:
+        AssertionError: It does not, so its figure would not be a decode step's work.
+    """
+    hidden, mm = tensors
+    layouts = [layout for _, layout in recorded(setup, steps)[len(setup) :]]
+    cache = LeastCache()
+    try:
+        cache.start(setup)
+        for step, layout in zip(steps, layouts, strict=True):
+            n = step.rows
+            cache.begin(step.so)
+            page = cache.save(hidden[:n], mm[:n], step.order)
+            assert list(layout.req_ids) == step.order
+            slots = layout.slots_cpu.numpy()
+            assert (cache.owner["hidden"][slots] == cache.tid).all(), "slots differ"
+            assert torch.equal(cache.consume(page, n)["hidden"], hidden[:n]), "rows differ"
+    finally:
+        cache.close()
+    assert torch.equal(cache.pool["hidden"][layout.slots_cpu], hidden[:n]), "pool rows differ"
+
+
+def least_round(
+    setup: list[Step], steps: list[Step], warmup: int, placement: str, tensors: Any
+) -> dict[str, float]:
+    """Medians (us) of the least cache's begin + save, its landing copy and its hand-off."""
+    hidden, mm = tensors
+    total, copy, hand_off = [], [], []
+    with on_first_cpu() as cpus:
+        cache = LeastCache()
+        if placement == TWO_VCPUS:
+            to_second_cpu(cache.writer, cpus)
+        cache.start(setup)
+        for i, step in enumerate(steps):
+            n = step.rows
+            t0 = time.thread_time_ns()
+            cache.begin(step.so)
+            page = cache.save(hidden[:n], mm[:n], step.order)
+            t1 = time.thread_time_ns()
+            cache.consume(page, n)
+            if i >= warmup:
+                total.append(t1 - t0)
+                copy.append(cache.copy_ns)
+                hand_off.append(cache.hand_off_ns)
+        cache.close()
+    return {
+        "total": statistics.median(total) / 1e3,
+        "copy": statistics.median(copy) / 1e3,
+        "hand-off": statistics.median(hand_off) / 1e3,
+    }
+
+
+def library_round(
+    setup: list[Step], steps: list[Step], warmup: int, placement: str, tensors: Any
+) -> dict[str, float]:
+    """Median (us) of the glue's step_begin + save over a threaded manager."""
+    hidden, mm = tensors
+    total = []
+    with on_first_cpu() as cpus, VllmPrefixCache(make_manager(True), block_size=BLOCK_SIZE) as glue:
+        committer = glue.manager._state.committer._thread
+        if placement == TWO_VCPUS and committer is not None:
+            to_second_cpu(committer, cpus)
+        for step in setup:
+            n = step.rows
+            glue.step_begin(step.so)
+            sid = glue.save(hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n)
+            glue.discard_step(sid)
+        for i, step in enumerate(steps):
+            n = step.rows
+            t0 = time.thread_time_ns()
+            glue.step_begin(step.so)
+            sid = glue.save(hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n)
+            t1 = time.thread_time_ns()
+            glue.materialize(sid, step.order)
+            if i >= warmup:
+                total.append(t1 - t0)
+    return {"total": statistics.median(total) / 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warmup = 5
+    setup, steps = decode_steps(args.steps + warmup, random.Random(0), shuffle=False)
+    tensors = (
+        torch.randn(CAPACITY, WIDTH).to(DTYPE),
+        torch.randn(CAPACITY, MM_WIDTH).to(DTYPE),
+    )
+    check_least(setup, steps, tensors)
+    placements = (ONE_VCPU, TWO_VCPUS) if len(os.sched_getaffinity(0)) >= 2 else (ONE_VCPU,)
+    least: dict[str, list[dict[str, float]]] = {p: [] for p in placements}
+    library: dict[str, list[dict[str, float]]] = {p: [] for p in placements}
+    for _ in range(args.rounds):
+        for placement in placements:
+            least[placement].append(least_round(setup, steps, warmup, placement, tensors))
+            library[placement].append(library_round(setup, steps, warmup, placement, tensors))
+    print(
+        f"torch {torch.__version__}, CPU, one intra-op thread; decode 256 x 1, order kept; "
+        f"engine-thread CPU us per step for begin + save, medians, quietest of {args.rounds} "
+        f"alternating rounds of {args.steps} steps"
+    )
+    header = ("least", "copy", "hand-off", "rest", "library", "library/least", "target - least")
+    print(f"{'placement':<12}" + "".join(f"{h:>16}" for h in header) + "   rounds (least/library)")
+    for placement in placements:
+        low = min(least[placement], key=lambda r: r["total"])
+        lib = min(r["total"] for r in library[placement])
+        rest = low["total"] - low["copy"] - low["hand-off"]
+        figures = (
+            low["total"],
+            low["copy"],
+            low["hand-off"],
+            rest,
+            lib,
+            lib / low["total"],
+            ENGINE_TARGET_US - low["total"],
+        )
+        spread = ", ".join(
+            f"{a['total']:.0f}/{b['total']:.0f}"
+            for a, b in zip(least[placement], library[placement], strict=True)
+        )
+        print(f"{placement:<12}" + "".join(f"{f:>16.2f}" for f in figures) + f"   {spread}")
+
+
+if __name__ == "__main__":
+    main()
