@@ -14,6 +14,7 @@ Run from the repository root: python bench/adapter_compare.py REV [--rounds R] [
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -54,6 +55,20 @@ def interleaved(rev: str, rounds: int, run: Callable[[Path], T]) -> dict[str, li
             for name, tree in order if r % 2 == 0 else reversed(order):
                 results[name].append(run(tree))
     return results
+
+
+def run_json(tree: Path, code: str) -> Any:
+    """Run ``code`` in a fresh interpreter that imports the packages in ``tree``; return the
+    JSON value its output ends with."""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=str(tree)),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tempfile.gettempdir(),  # so the working tree's packages are not found by accident
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def print_rounds(

@@ -15,17 +15,13 @@ python bench/glue_compare.py REV [--rounds R] [--steps N]
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from adapter_compare import ROOT, interleaved
+from adapter_compare import ROOT, interleaved, run_json
 
 #: One round in a fresh process: each placement's median, as JSON on the last line.
 _ROUND = """
@@ -47,15 +43,7 @@ print(json.dumps(out))
 
 
 def _run(tree: Path, steps: int) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, "-c", _ROUND.format(bench=str(ROOT / "bench"), steps=steps)],
-        env=dict(os.environ, PYTHONPATH=str(tree)),
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=tempfile.gettempdir(),  # so the working tree's packages are not found by accident
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_json(tree, _ROUND.format(bench=str(ROOT / "bench"), steps=steps))  # type: ignore[no-any-return]
 
 
 def main() -> None:

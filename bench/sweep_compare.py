@@ -19,17 +19,13 @@ Run from the repository root: python bench/sweep_compare.py REV [--points P,..] 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from adapter_compare import ROOT, interleaved, print_rounds
+from adapter_compare import ROOT, interleaved, print_rounds, run_json
 
 #: One round in a fresh process: the points' medians, as JSON on the last line.
 _ROUND = """
@@ -58,15 +54,7 @@ def _run(
         points=points,
         steps=steps,
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, PYTHONPATH=str(tree)),
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=tempfile.gettempdir(),  # so the working tree's packages are not found by accident
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_json(tree, code)  # type: ignore[no-any-return]
 
 
 def _points(text: str) -> list[tuple[str, int, int]]:
