@@ -49,8 +49,9 @@ Beside the parts, two whole-step figures: `wall` of `step_begin` + `save` (what 
 waits for), and `process` CPU per step (`time.process_time` over `step_begin`, `save` and
 `materialize`: every thread's work for the step, the committer's included). Under the threaded
 variants, the committer thread's CPU and wall time per step write (`Committer.run` on that
-thread, medians): wall beyond CPU is time the write waited, for the GIL above all, which it
-gives up during each key's numpy row copy and must take back from the engine thread.
+thread, medians): wall beyond CPU is time the write waited, for the GIL above all, which numpy
+gives up while it copies the wide hidden rows and the writer must take back from the engine
+thread.
 
 The wrappers add about a microsecond per wrapped call; the `total` column is measured around
 `step_begin` + `save` without them being subtracted, so compare totals with each other, not with
