@@ -84,6 +84,25 @@ ONE_VCPU = "one vCPU"
 TWO_VCPUS = "two vCPUs"
 #: Landing pages, as the library's default staging depth.
 PAGES = 4
+#: Steps run before the timed ones in every round.
+WARMUP = 5
+
+
+def inputs(steps: int) -> tuple[list[Step], list[Step], tuple[torch.Tensor, torch.Tensor]]:
+    """The setup steps, ``steps`` decode steps after `WARMUP` more (the runner's order kept),
+    and the hidden and mm rows they save: what every round of this script and of
+    `glue_compare.py` runs."""
+    setup, decode = decode_steps(steps + WARMUP, random.Random(0), shuffle=False)
+    tensors = (
+        torch.randn(CAPACITY, WIDTH).to(DTYPE),
+        torch.randn(CAPACITY, MM_WIDTH).to(DTYPE),
+    )
+    return setup, decode, tensors
+
+
+def placements() -> tuple[str, ...]:
+    """The thread placements this machine has CPUs for."""
+    return (ONE_VCPU, TWO_VCPUS) if len(os.sched_getaffinity(0)) >= 2 else (ONE_VCPU,)
 
 
 class LeastCache:
@@ -240,21 +259,23 @@ def least_round(
     total, copy, hand_off = [], [], []
     with on_first_cpu() as cpus:
         cache = LeastCache()
-        if placement == TWO_VCPUS:
-            to_second_cpu(cache.writer, cpus)
-        cache.start(setup)
-        for i, step in enumerate(steps):
-            n = step.rows
-            t0 = time.thread_time_ns()
-            cache.begin(step.so)
-            page = cache.save(hidden[:n], mm[:n], step.order)
-            t1 = time.thread_time_ns()
-            cache.consume(page, n)
-            if i >= warmup:
-                total.append(t1 - t0)
-                copy.append(cache.copy_ns)
-                hand_off.append(cache.hand_off_ns)
-        cache.close()
+        try:
+            if placement == TWO_VCPUS:
+                to_second_cpu(cache.writer, cpus)
+            cache.start(setup)
+            for i, step in enumerate(steps):
+                n = step.rows
+                t0 = time.thread_time_ns()
+                cache.begin(step.so)
+                page = cache.save(hidden[:n], mm[:n], step.order)
+                t1 = time.thread_time_ns()
+                cache.consume(page, n)
+                if i >= warmup:
+                    total.append(t1 - t0)
+                    copy.append(cache.copy_ns)
+                    hand_off.append(cache.hand_off_ns)
+        finally:
+            cache.close()
     return {
         "total": statistics.median(total) / 1e3,
         "copy": statistics.median(copy) / 1e3,
@@ -295,20 +316,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    warmup = 5
-    setup, steps = decode_steps(args.steps + warmup, random.Random(0), shuffle=False)
-    tensors = (
-        torch.randn(CAPACITY, WIDTH).to(DTYPE),
-        torch.randn(CAPACITY, MM_WIDTH).to(DTYPE),
-    )
+    setup, steps, tensors = inputs(args.steps)
     check_least(setup, steps, tensors)
-    placements = (ONE_VCPU, TWO_VCPUS) if len(os.sched_getaffinity(0)) >= 2 else (ONE_VCPU,)
-    least: dict[str, list[dict[str, float]]] = {p: [] for p in placements}
-    library: dict[str, list[dict[str, float]]] = {p: [] for p in placements}
+    where = placements()
+    least: dict[str, list[dict[str, float]]] = {p: [] for p in where}
+    library: dict[str, list[dict[str, float]]] = {p: [] for p in where}
     for _ in range(args.rounds):
-        for placement in placements:
-            least[placement].append(least_round(setup, steps, warmup, placement, tensors))
-            library[placement].append(library_round(setup, steps, warmup, placement, tensors))
+        for placement in where:
+            least[placement].append(least_round(setup, steps, WARMUP, placement, tensors))
+            library[placement].append(library_round(setup, steps, WARMUP, placement, tensors))
     print(
         f"torch {torch.__version__}, CPU, one intra-op thread; decode 256 x 1, order kept; "
         f"engine-thread CPU us per step for begin + save, medians, quietest of {args.rounds} "
@@ -316,7 +332,7 @@ def main() -> None:
     )
     header = ("least", "copy", "hand-off", "rest", "library", "library/least", "target - least")
     print(f"{'placement':<12}" + "".join(f"{h:>16}" for h in header) + "   rounds (least/library)")
-    for placement in placements:
+    for placement in where:
         low = min(least[placement], key=lambda r: r["total"])
         lib = min(r["total"] for r in library[placement])
         rest = low["total"] - low["copy"] - low["hand-off"]

@@ -25,19 +25,16 @@ from adapter_compare import ROOT, interleaved, run_json
 
 #: One round in a fresh process: each placement's median, as JSON on the last line.
 _ROUND = """
-import json, os, random, sys
+import json, sys
 sys.path.insert(0, {bench!r})
 import torch
 import decode_least as dl
 
 torch.set_num_threads(1)
-setup, steps = dl.decode_steps({steps!r} + 5, random.Random(0), shuffle=False)
-tensors = (
-    torch.randn(dl.CAPACITY, dl.WIDTH).to(dl.DTYPE),
-    torch.randn(dl.CAPACITY, dl.MM_WIDTH).to(dl.DTYPE),
-)
-placements = [dl.ONE_VCPU] + [dl.TWO_VCPUS] * (len(os.sched_getaffinity(0)) >= 2)
-out = {{p: dl.library_round(setup, steps, 5, p, tensors)["total"] for p in placements}}
+setup, steps, tensors = dl.inputs({steps!r})
+out = {{
+    p: dl.library_round(setup, steps, dl.WARMUP, p, tensors)["total"] for p in dl.placements()
+}}
 print(json.dumps(out))
 """
 
