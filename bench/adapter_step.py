@@ -66,6 +66,17 @@ from omni_cache_cuda import (
 )
 from omni_cache_cuda._storage import alloc_host, row_bytes
 
+try:
+    from omni_cache_cuda._storage import scatter_rows as scatter_rows
+except ImportError:  # a revision before whole-block writes, run by the compare scripts
+
+    def scatter_rows(
+        target: np.ndarray, slots: np.ndarray, source: np.ndarray, block_size: int = 1
+    ) -> None:
+        """The pool write of the revisions before `scatter_rows`: row by row."""
+        target[slots] = source
+
+
 NUM_BLOCKS = 16384
 BLOCK_SIZE = 16
 WIDTH = 2048
@@ -89,8 +100,8 @@ def make_manager(threaded: bool, *, prefetch: bool = True) -> OmniPrefixCacheMan
 
 class CopyBaseline:
     """Plain copies of the bytes a cycle must move, on buffers of the cache's sizes, with the
-    cache's own primitives: a row assignment through byte views into the pool, `index_select`
-    out of it."""
+    cache's own primitives: `scatter_rows` into the pool (byte views, whole blocks where the
+    slots are), `index_select` out of it."""
 
     def __init__(self, width: int = WIDTH) -> None:
         slots = NUM_BLOCKS * BLOCK_SIZE
@@ -124,7 +135,7 @@ class CopyBaseline:
             rows, self.pages, self.pools, self.pool_bytes, self.outs, strict=True
         ):
             page[:n].copy_(src[:n])
-            pool_bytes[index] = row_bytes(page[:n])
+            scatter_rows(pool_bytes, index, row_bytes(page[:n]), BLOCK_SIZE)
             out = buffer[: n + hits]
             out[:n].copy_(page[:n])
             if hits:
@@ -138,7 +149,7 @@ class CopyBaseline:
     def write_one_copy(self, rows: tuple[torch.Tensor, torch.Tensor], index: np.ndarray) -> None:
         """The one-copy path's write: the step's rows into the pools at their slots."""
         for src, pool_bytes in zip(rows, self.pool_bytes, strict=True):
-            pool_bytes[index] = row_bytes(src[: len(index)])
+            scatter_rows(pool_bytes, index, row_bytes(src[: len(index)]), BLOCK_SIZE)
 
     def gather_one_copy(self, slots: torch.Tensor, hit_slots: torch.Tensor) -> None:
         """The one-copy path's read: every returned row gathered out of the pools once."""

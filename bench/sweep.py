@@ -12,7 +12,7 @@ Printed per point, medians over the steps after a warm-up, the quietest of `--ro
 `cycle ms` the engine thread's CPU time for `new_step_starts` + `save_outputs` + `materialize`
 (layout built beforehand, reported apart as `layout ms`), `copy ms` the copies such a cycle
 cannot avoid (the step's rows into the pool at its slots, and every returned row copied out
-once: a row assignment through byte views into the pool, as the cache's own pool write, and
+once: `scatter_rows` through byte views into the pool, as the cache's own pool write, and
 `copy_` / `index_select` out, on buffers of the same sizes), their ratio,
 and `fixed ms` = cycle - copy, the bookkeeping. Read across a row for what grows with bytes
 (the copies), down a column for what grows with requests (the bookkeeping); a constant
@@ -31,10 +31,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from adapter_step import scatter_rows
 
 from omni_cache_cuda import (
     OmniPrefixCacheManager,
@@ -97,7 +103,7 @@ class Buffers:
         for src, pool, pool_bytes, out in zip(
             rows, self.pools, self.pool_bytes, self.outs, strict=True
         ):
-            pool_bytes[index] = row_bytes(src[:n])
+            scatter_rows(pool_bytes, index, row_bytes(src[:n]), BLOCK_SIZE)
             out[:n].copy_(src[:n])
             if h:
                 torch.index_select(pool, 0, hits, out=out[n : n + h])

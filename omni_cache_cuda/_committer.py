@@ -37,7 +37,7 @@ from omni_cache_core import (
 from omni_cache_cuda._faults import Faults
 from omni_cache_cuda._log import log
 from omni_cache_cuda._nvtx import RangeFn, no_ranges
-from omni_cache_cuda._storage import HostPool, StagingPages, row_bytes
+from omni_cache_cuda._storage import HostPool, StagingPages, row_bytes, scatter_rows
 
 __all__ = ["Chunk", "Committer", "JobStage", "Signal", "WriteJob"]
 
@@ -452,17 +452,19 @@ class Committer:
                 )
             index = slots.numpy()
             target = self.pool.byte_rows[key]
+            block = self.pool.block_size
             lost = job.lost(key)
             skip = np.flatnonzero(np.isin(index, lost.numpy())) if lost is not None else ()
             if len(skip) == len(index):
                 continue  # SLOT-2: newer writes took every slot; nothing of ours remains
-            # A plain row copy through byte views runs at memcpy speed; torch's CPU index_copy_
-            # is several times slower and splits repeated indices across threads. Rows
-            # between tombstoned positions go in runs, so skipping a few copies nothing extra.
+            # A row copy through byte views (whole blocks where the slots are) runs at memcpy
+            # speed; torch's CPU index_copy_ is several times slower and splits repeated
+            # indices across threads. Rows between tombstoned positions go in runs, so skipping
+            # a few copies nothing extra.
             start = 0
             for stop in (*skip, len(index)):
                 if stop > start:
-                    target[index[start:stop]] = source[start:stop]
+                    scatter_rows(target, index[start:stop], source[start:stop], block)
                 start = stop + 1
             written = len(index) - len(skip)
             self.rows_written[key] += written

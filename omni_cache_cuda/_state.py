@@ -164,7 +164,9 @@ class AdapterState:
         self.reports: collections.deque[Report] = collections.deque()
         # Test hooks at the fault points (`omni_cache_cuda._faults`); empty in normal use.
         self.faults = Faults()
-        self.pool = HostPool(config.num_slots, pin=cuda, faults=self.faults)
+        self.pool = HostPool(
+            config.num_slots, pin=cuda, faults=self.faults, block_size=config.block_size
+        )
         self.pages = StagingPages(
             config.staging_depth,
             config.staging_capacity_tokens,

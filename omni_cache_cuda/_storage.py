@@ -35,6 +35,8 @@ __all__ = [
     "alloc_host",
     "empty_rows",
     "row_bytes",
+    "scatter_rows",
+    "whole_blocks",
 ]
 
 _registered_lock = threading.Lock()
@@ -162,6 +164,46 @@ def row_bytes(rows: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+def whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
+    """The KV blocks that ``slots`` fill, in order, when they are whole blocks; else None.
+
+    Whole blocks: ``slots`` is a run of ``block_size`` consecutive slots from a multiple of
+    ``block_size``, then another, and so on (a prefill's slots, mostly). A block may come twice.
+    The first test is on two elements, so a decode step's scattered slots cost next to nothing.
+    """
+    n = len(slots)
+    if block_size < 2 or n < block_size or n % block_size:
+        return None
+    if slots[block_size - 1] - slots[0] != block_size - 1:
+        return None
+    by_block = slots.reshape(-1, block_size)
+    heads = by_block[:, 0]
+    if (heads % block_size).any() or not (by_block - heads[:, None] == np.arange(block_size)).all():
+        return None
+    return heads // block_size
+
+
+def scatter_rows(
+    target: np.ndarray, slots: np.ndarray, source: np.ndarray, block_size: int = 1
+) -> None:
+    """``target[slots] = source`` for byte rows (`row_bytes`), a block at a time where it can.
+
+    Where the slots are whole blocks (`whole_blocks`) and both arrays are contiguous, one
+    assignment of block-wide rows moves the same bytes with a ``block_size``-th of numpy's
+    per-row work: a 32 MiB write of 16-slot blocks into a 1 GiB pool took 3.7 ms instead of 4.5
+    here. Anything else, a decode step's scattered slots for one, goes row by row. A repeated
+    slot keeps its later row either way: slots repeat only as whole blocks on the block path.
+    """
+    blocks = None
+    if target.flags.c_contiguous and source.flags.c_contiguous:
+        blocks = whole_blocks(slots, block_size)
+    if blocks is None:
+        target[slots] = source
+        return
+    width = block_size * target.shape[1]
+    target.reshape(-1, width)[blocks] = source.reshape(-1, width)
+
+
 @attrs.frozen
 class KeyShape:
     """What every row of a cached key looks like; fixed at first sight (FAIL-5)."""
@@ -204,8 +246,12 @@ class HostPool:
     Written by one writer only (CONC-4): the committer thread, or the caller in inline mode.
     """
 
-    def __init__(self, num_slots: int, *, pin: bool, faults: Faults | None = None) -> None:
+    def __init__(
+        self, num_slots: int, *, pin: bool, faults: Faults | None = None, block_size: int = 1
+    ) -> None:
         self.num_slots = num_slots
+        #: Slots per KV block: a write of whole blocks goes a block at a time (`scatter_rows`).
+        self.block_size = block_size
         self.pin = pin
         self.faults = faults
         self.tensors: dict[TensorName, torch.Tensor] = {}

@@ -1,4 +1,5 @@
-"""Host storage allocation: zeroed, and large pools backed by transparent huge pages."""
+"""Host storage: allocation (zeroed, large pools backed by transparent huge pages) and the pool's
+row writes (whole KV blocks at a time where the slots are)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from omni_cache_cuda._storage import advise_huge_pages, alloc_host
+from omni_cache_cuda._storage import advise_huge_pages, alloc_host, scatter_rows, whole_blocks
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -55,3 +57,54 @@ def test_alloc_host_advises_before_the_first_touch() -> None:
     """Under ``madvise`` a mapping is eligible only if advised: alloc_host's pool is."""
     pool = alloc_host((8192, 2048), torch.bfloat16, pin=False)
     assert _thp_eligible(pool.data_ptr() + (4 << 20)) is True
+
+
+@pytest.mark.parametrize(
+    ("slots", "blocks"),
+    [
+        ([4, 5, 6, 7, 0, 1, 2, 3], [1, 0]),
+        ([8, 9, 10, 11, 8, 9, 10, 11], [2, 2]),  # a block may come twice
+        ([4, 5, 6, 7, 0, 1, 2], None),  # not a whole number of blocks
+        ([5, 6, 7, 8], None),  # a run of four, not from a multiple of four
+        ([4, 5, 7, 6], None),  # the block's slots, out of order
+        ([0, 1, 2, 3, 4, 5, 6, 8], None),  # the second block's last slot is not its own
+        ([3, 9, 17, 30], None),  # a decode step's scattered slots
+        ([], None),
+    ],
+)
+def test_whole_blocks_finds_a_write_made_of_whole_kv_blocks(
+    slots: list[int], blocks: list[int] | None
+) -> None:
+    found = whole_blocks(np.array(slots, dtype=np.int64), 4)
+    assert (found is None) == (blocks is None)
+    if found is not None:
+        assert found.tolist() == blocks
+
+
+def test_whole_blocks_with_blocks_of_one_slot_is_never_a_block_write() -> None:
+    assert whole_blocks(np.arange(8, dtype=np.int64), 1) is None
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [12, 13, 14, 15, 0, 1, 2, 3, 12, 13, 14, 15],  # whole blocks, one twice: the later wins
+        [12, 13, 14, 15, 0, 1, 2, 3, 12, 13, 14],  # not whole blocks: row by row
+        [7, 2, 7, 30],  # scattered, one slot twice
+    ],
+)
+def test_scatter_rows_writes_what_a_row_assignment_writes(
+    slots: list[int], contiguous: bool
+) -> None:
+    """Block by block or row by row, the pool ends as ``pool[slots] = rows`` leaves it."""
+    rng = np.random.default_rng(len(slots))
+    index = np.array(slots, dtype=np.int64)
+    wide = rng.integers(0, 255, size=(len(slots), 16), dtype=np.uint8)
+    rows = wide if contiguous else wide[:, ::2]
+    expected = np.zeros((32, rows.shape[1]), dtype=np.uint8)
+    for slot, row in zip(slots, rows, strict=True):
+        expected[slot] = row
+    pool = np.zeros_like(expected)
+    scatter_rows(pool, index, rows, 4)
+    np.testing.assert_array_equal(pool, expected)
