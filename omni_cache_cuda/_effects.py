@@ -52,6 +52,11 @@ from omni_cache_cuda._storage import empty_rows
 
 __all__ = ["EffectInterpreter"]
 
+#: Bytes a hit read (one request, one key) must have to go to the prefetch worker (HIT-7, D34):
+#: below it, the hand-off and its future cost the engine thread more than the consume's gather
+#: of the read together with the step's other hits.
+PREFETCH_MIN_BYTES = 512 << 10
+
 #: NVTX range of each wait, by the name the core gives it.
 _WAIT_RANGES = {
     "save barrier": "omni_cache.wait.save_barrier",
@@ -92,7 +97,10 @@ class EffectInterpreter:
                         escalate.extend(jobs[tid] for tid in effect.tids if tid in jobs)
                     case PrefetchRead():
                         start_reads.add(effect.read_id)
-                        if state.prefetcher is not None:
+                        if state.prefetcher is not None and (
+                            len(effect.slots) * state.pool.shapes[effect.key].row_bytes
+                            >= PREFETCH_MIN_BYTES
+                        ):
                             prefetch.append((state.record(effect.read_id), effect))
                     case Tombstone():
                         self._tombstone(effect)

@@ -71,8 +71,10 @@ class OmniPrefixCacheManager:
         device: Where the step tensors live: None means CUDA when available, else the CPU.
         threaded: Run writes on a committer thread (True) or inline in the engine thread
             (False). None: threaded on CUDA, inline on the CPU. Both give identical results.
-        prefetch: Start hit gathers at `new_step_starts`, overlapping the forward (HIT-7).
-            Results are identical either way.
+        prefetch: Start hit gathers at `new_step_starts`, overlapping the forward (HIT-7),
+            for each hit read of at least 512 KiB (one request's prefix rows of one key);
+            smaller reads cost the engine thread less gathered at the consume. Results are
+            identical either way.
 
     Observability: `stats` returns the counters (`omni_cache_cuda.metrics` exports them to
     Prometheus); the ``omni_cache`` logger gets a line for each cached key's first allocation,

@@ -1,5 +1,5 @@
-"""Shared pytest configuration: hypothesis profiles, the `gpu` marker, `make_core`, and the
-adapter tests' `threaded` and `make`.
+"""Shared pytest configuration: hypothesis profiles, the `gpu` marker, `make_core`, the
+adapter tests' `threaded` and `make`, and every hit prefetched.
 
 Profiles: `ci` (the default) is derandomized so a CI failure reproduces with the same command;
 hypothesis also draws constants from the project modules a session has loaded, so the same test
@@ -10,6 +10,7 @@ examples. Select one with the HYPOTHESIS_PROFILE environment variable.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +47,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _prefetch_every_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Managers prefetch hit reads of any size, not only those of 512 KiB and more (D34).
+
+    The tests' rows are a few bytes wide: at the library's threshold no hit of theirs would
+    reach the prefetch worker, and HIT-7's paths (a prefetched prefix, a failed prefetch, a
+    prefetch overtaken by a newer write) would go untested. The threshold itself has its own
+    tests, which set it back. Modules that never loaded the adapter are left alone.
+    """
+    _prefetch_all(monkeypatch)
+
+
+def _prefetch_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set the adapter's prefetch threshold to 0 for this test, if the adapter is loaded."""
+    effects = sys.modules.get("omni_cache_cuda._effects")
+    if effects is not None:
+        monkeypatch.setattr(effects, "PREFETCH_MIN_BYTES", 0)
+
+
 @pytest.fixture
 def make_core() -> Iterator[MakeCore]:
     """Build cores from `config(**overrides)` and check every one's invariants at the end."""
@@ -68,13 +88,15 @@ def threaded(request: pytest.FixtureRequest) -> bool:
 
 
 @pytest.fixture
-def make(threaded: bool) -> Iterator[Any]:
+def make(threaded: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Build CPU managers in the test's mode and shut them all down afterwards.
 
     Yields ``make(**config) -> OmniPrefixCacheManager``; torch is imported only by tests that
-    ask for it.
+    ask for it (and then the threshold of `_prefetch_every_hit` is set here).
     """
     from tests.adapter_helpers import make_manager
+
+    _prefetch_all(monkeypatch)
 
     made: list[Any] = []
 

@@ -34,6 +34,7 @@ from omni_cache_cuda import (
     UnknownStepError,
     WriteFailedError,
 )
+from omni_cache_cuda import _effects as effects_module
 from omni_cache_cuda._committer import copy_in_pieces
 from tests.adapter_helpers import (
     BLOCK,
@@ -945,3 +946,33 @@ def test_budget_3_deferred_rows_are_copied_in_pieces_of_at_most_copy_chunk_bytes
     per_piece = max(1, max_bytes // row_nbytes)
     assert pieces == [(a, min(a + per_piece, rows)) for a in range(0, rows, per_piece)]
     assert all((b - a) * row_nbytes <= max_bytes or b - a == 1 for a, b in pieces)
+
+
+def test_hit_7_only_reads_of_the_prefetch_threshold_and_more_are_prefetched(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit read of fewer bytes than `PREFETCH_MIN_BYTES` is left to the consume's gather
+    (D34); one of at least that many goes to the prefetch worker; the consume hands out the
+    oracle's rows for both (HIT-7)."""
+    # b's hit is 8 rows: 128 bytes of hidden states (4 float32 a row), 96 of MM (3 a row).
+    monkeypatch.setattr(effects_module, "PREFETCH_MIN_BYTES", 100)
+    manager = make()
+    assert manager._state.prefetcher is not None
+    submitted: list[str] = []
+    submit = manager._state.prefetcher.submit
+
+    def spy(fn: Callable[..., Any], read: Any, *args: Any) -> Any:
+        submitted.append(read.key)
+        return submit(fn, read, *args)
+
+    monkeypatch.setattr(manager._state.prefetcher, "submit", spy)
+    engine = Engine(manager)
+    engine.start("a", [0, 1, 2])
+    engine.materialize(engine.step({"a": 4}, emit=(MM,)))
+    engine.materialize(engine.step({"a": 4}, emit=(MM,)))
+    engine.finish("a")
+    settle(manager)
+    engine.start("b", [0, 1, 3], hit_end=8)
+    out = engine.materialize(engine.step({"b": 1}, emit=(MM,)))  # checks every row handed out
+    assert submitted == [HIDDEN_KEY]
+    assert out.hidden_states["b"].shape[0] == 9 and out.mm_outputs[MM]["b"].shape[0] == 9
