@@ -23,8 +23,9 @@ requests starting on a 512-row hit (32 blocks), 3 of them on contiguous blocks (
 and 2 on scattered blocks (32 runs). A `TorchDispatchMode` counts the aten copy and gather ops
 (`copy_`, `clone`, `_to_copy`, `index_select`, `index_copy_`, `index_put_`, `index`, `cat`,
 ...) per key (told apart by row width); ops on int64 tensors (slot ids, indices) are counted
-apart as `index`. The pool write is a numpy row assignment through byte views, no aten op: its
-assignments are counted by a wrapper around the committer's `row_bytes`. The phases, told
+apart as `index`. The pool write is a numpy row assignment through byte views (`scatter_rows`:
+of rows, or of whole KV blocks where the slots are), no aten op: its calls are counted by a
+wrapper around the committer's `scatter_rows`. The phases, told
 apart by the manager's range hooks (the NVTX range names):
 - `save`: inside `save_outputs`, the pool write aside; on CUDA the on-device clone (DEV-1) and
   the copy into the landing page, one each per key; on the CPU none (DESIGN D27: the rows go
@@ -183,42 +184,29 @@ class CopyCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.counts[("pool write", key, "numpy row assignment")] += 1
 
 
-class _CountedRows(np.ndarray):
-    """A pool's byte view whose row assignments are counted (the committer's pool write)."""
-
-    counter: CopyCounter | None = None
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        if _CountedRows.counter is not None and self.ndim == 2:
-            _CountedRows.counter.count_pool_assignment(self.shape[1])
-        super().__setitem__(index, value)
-
-
 @contextlib.contextmanager
 def counting(m: OmniPrefixCacheManager, counter: CopyCounter) -> Iterator[None]:
     """Count ``m``'s copies on this thread: the dispatch mode, the range hooks, the pool write."""
     state = m._state
-    # row_bytes is patched where the committer looks it up; _committer imports it from _storage
-    # without re-exporting it.
-    saved = state.ranges, state.committer.ranges, _committer.row_bytes  # type: ignore[attr-defined]
-    plain_row_bytes = _committer.row_bytes  # type: ignore[attr-defined]
+    # The pool write's one call per key and run of rows, patched where the committer looks it
+    # up (_committer imports it from _storage without re-exporting it).
+    plain_scatter = _committer.scatter_rows  # type: ignore[attr-defined]
 
-    def counted_row_bytes(rows: torch.Tensor) -> np.ndarray:
-        return plain_row_bytes(rows).view(_CountedRows)
+    def counted_scatter(
+        target: np.ndarray, slots: np.ndarray, source: np.ndarray, block_size: int = 1
+    ) -> None:
+        counter.count_pool_assignment(target.shape[1])
+        plain_scatter(target, slots, source, block_size)
 
+    saved = state.ranges, state.committer.ranges
     state.ranges = state.committer.ranges = counter.range
-    _committer.row_bytes = counted_row_bytes  # type: ignore[attr-defined]
-    _CountedRows.counter = counter
+    _committer.scatter_rows = counted_scatter  # type: ignore[attr-defined]
     try:
         with counter:
             yield
     finally:
-        (
-            state.ranges,
-            state.committer.ranges,
-            _committer.row_bytes,  # type: ignore[attr-defined]
-        ) = saved
-        _CountedRows.counter = None
+        state.ranges, state.committer.ranges = saved
+        _committer.scatter_rows = plain_scatter  # type: ignore[attr-defined]
 
 
 def slot_runs(slots: list[int]) -> int:
