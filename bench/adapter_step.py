@@ -10,9 +10,10 @@ Two sets of copies are timed in the same run as plain copies on buffers of the s
 with the primitive the cache itself uses (a slower primitive would flatter the ratio: torch's CPU
 `index_copy_` is several times slower than the row copy through byte views, DESIGN D31):
 - the three-copy path (a staging page, as on CUDA): the step's rows into a page (`copy_`), the
-  page into the pool at the step's slots (one numpy row assignment through byte views, as the
-  committer's pool write), and out to the caller: the step's rows copied out of the page plus
-  the hit rows gathered from the pool (`index_select`);
+  page into the pool at the step's slots (`scatter_rows`, the committer's pool write: one numpy
+  row assignment through byte views, of whole KV blocks where the slots are, DESIGN D33; run
+  against an older revision, its row-by-row write), and out to the caller: the step's rows
+  copied out of the page plus the hit rows gathered from the pool (`index_select`);
 - the one-copy path (the CPU's, D27): the step's rows into the pool at their slots (the same row
   assignment), and every returned row, the step's own and the hit rows, gathered out of the
   pool once (`index_select`).
