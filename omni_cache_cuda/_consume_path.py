@@ -293,7 +293,7 @@ class ConsumePath:
         pool = self._pool.tensors[key]
         slots, req_rows = ctx.slots, ctx.req_rows
         plain = self._pool_rows_only(hit_reads.values())
-        own_starts: list[tuple[int, int, torch.Tensor]] = []
+        own_rows: list[_OwnRows] = []
         together: list[_Together] = []
         for req, read in hit_reads.items():
             record = records.get(read.read_id)
@@ -302,16 +302,17 @@ class ConsumePath:
                 together.append((req, read, record, start, end))
                 continue
             buffer = self._hit_buffer(read, record, end - start, plain, ctx, current)
-            own = buffer[len(read.slots) :]
-            torch.index_select(pool, 0, torch.from_numpy(slots[start:end]), out=own)
-            own_starts.append((start, end, own))
+            hit = len(read.slots)
+            torch.index_select(pool, 0, torch.from_numpy(slots[start:end]), out=buffer[hit:])
+            own_rows.append((start, end, buffer, hit))
             out[req] = buffer.view(len(buffer), *shape.features)
         if together:
-            self._gather_together(key, ctx, together, own_starts, out)
+            self._gather_together(key, ctx, together, own_rows, out)
         record = ctx.own[key]
         with record.lock:
             if record.preserved:
-                for start, end, own in own_starts:
+                for start, end, buffer, lo in own_rows:
+                    own = buffer[lo : lo + end - start]
                     _lay_over(record, np.arange(start, end, dtype=np.int64), own)
 
     def _hit_buffer(
@@ -351,7 +352,7 @@ class ConsumePath:
         key: TensorName,
         ctx: StepContext,
         together: list[_Together],
-        own_starts: list[tuple[int, int, torch.Tensor]],
+        own_rows: list[_OwnRows],
         out: dict[str, torch.Tensor],
     ) -> None:
         """Hit requests whose prefix and own rows are all pool rows, no prefetch holding any:
@@ -360,22 +361,23 @@ class ConsumePath:
 
         A group stops short of `_TOGETHER_MAX_BYTES`: a larger new buffer costs the kernel more
         to fault in than the gathers it saves (DESIGN D27). A gather that fails is made again
-        request by request, so the error names the request (HIT-4).
+        request by request, so the error names the request (HIT-4). A prefill of hundreds of
+        short requests has hundreds of these: per request, only what it needs is made (its
+        view, and its prefix's only where a record wants it).
         """
         shape = ctx.shapes[key]
         pool = self._pool.tensors[key]
-        row_bytes = shape.width * pool.element_size()
-        groups: list[list[_Together]] = [[]]
-        group_rows = 0
-        for item in together:
-            _, read, _, start, end = item
-            rows = len(read.slots) + end - start
-            if groups[-1] and (group_rows + rows) * row_bytes > _TOGETHER_MAX_BYTES:
-                groups.append([])
-                group_rows = 0
-            groups[-1].append(item)
-            group_rows += rows
-        for group in groups:
+        max_rows = max(1, _TOGETHER_MAX_BYTES // (shape.width * pool.element_size()))
+        hits = [len(read.slots) for _, read, _, _, _ in together]
+        sizes = [len(read.slots) + end - start for _, read, _, start, end in together]
+        first = 0
+        while first < len(together):
+            # The group: as many requests as fit under the bound, at least one.
+            last, rows = first + 1, sizes[first]
+            while last < len(together) and rows + sizes[last] <= max_rows:
+                rows += sizes[last]
+                last += 1
+            group = together[first:last]
             index = np.concatenate(
                 [
                     part
@@ -383,25 +385,28 @@ class ConsumePath:
                     for part in (read.slots, ctx.slots[start:end])
                 ]
             )
-            sizes = [len(read.slots) + end - start for _, read, _, start, end in group]
             base = empty_rows((len(index), shape.width), shape.dtype)
+            group_sizes = sizes[first:last]
             with self._state.ranges("omni_cache.hit_gather"):
                 try:
                     torch.index_select(pool, 0, torch.from_numpy(index), out=base)
                 except Exception:
                     for (_, read, record, _, _), piece in zip(
-                        group, torch.split(base, sizes), strict=True
+                        group, torch.split(base, group_sizes), strict=True
                     ):
                         self._plain_prefix(piece[: len(read.slots)], read, record)
                     raise
-                for (req, read, record, start, end), piece in zip(
-                    group, torch.split(base, sizes), strict=True
+                pieces = torch.split(base.view(len(index), *shape.features), group_sizes)
+                lo = 0
+                for (req, _, record, start, end), hit, size, piece in zip(
+                    group, hits[first:last], group_sizes, pieces, strict=True
                 ):
-                    hit = len(read.slots)
                     if record is not None:
-                        _close_read(record, piece[:hit])
-                    own_starts.append((start, end, piece[hit:]))
-                    out[req] = piece.view(len(piece), *shape.features)
+                        _close_read(record, base[lo : lo + hit])
+                    own_rows.append((start, end, base, lo + hit))
+                    out[req] = piece
+                    lo += size
+            first = last
 
     def _pool_rows_only(self, reads: Iterable[ReadPlan]) -> bool:
         """Whether plain gathers may serve ``reads``: every planned row is a pool row (POOL, or
@@ -577,6 +582,10 @@ class ConsumePath:
 
 #: A hit request `ConsumePath._gather_together` serves: its id, read, record and own rows' range.
 _Together = tuple[str, ReadPlan, ReadRecord | None, int, int]
+
+#: A hit request's own rows in its buffer: ``(start, end, buffer, lo)``, the step's rows
+#: ``[start, end)`` held at ``buffer[lo : lo + end - start]`` (sliced only if laid over).
+_OwnRows = tuple[int, int, torch.Tensor, int]
 
 #: The largest buffer `ConsumePath._gather_together` fills: the allocator reuses freed memory
 #: below its mapping threshold (at most 32 MiB with glibc); a larger new buffer is mapped afresh
