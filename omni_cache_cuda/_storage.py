@@ -164,6 +164,12 @@ def row_bytes(rows: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+#: Fewer rows than this go row by row whatever their slots: the test for whole blocks and the
+#: block-wide assignment cost about 10-20 us, which a few dozen rows do not win back (narrow
+#: rows of 32 bytes broke even at about 700 rows here, rows of 4 KiB at about 150).
+_BLOCK_WRITE_MIN_ROWS = 512
+
+
 def whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
     """The KV blocks that ``slots`` fill, in order, when they are whole blocks; else None.
 
@@ -188,14 +194,20 @@ def scatter_rows(
 ) -> None:
     """``target[slots] = source`` for byte rows (`row_bytes`), a block at a time where it can.
 
-    Where the slots are whole blocks (`whole_blocks`) and both arrays are contiguous, one
-    assignment of block-wide rows moves the same bytes with a ``block_size``-th of numpy's
-    per-row work: a 32 MiB write of 16-slot blocks into a 1 GiB pool took 3.7 ms instead of 4.5
-    here. Anything else, a decode step's scattered slots for one, goes row by row. A repeated
-    slot keeps its later row either way: slots repeat only as whole blocks on the block path.
+    Where a write of at least `_BLOCK_WRITE_MIN_ROWS` rows has slots that are whole blocks
+    (`whole_blocks`) and both arrays are contiguous, one assignment of block-wide rows moves the
+    same bytes with a ``block_size``-th of numpy's per-row work: a 32 MiB write of 16-slot blocks
+    into a 1 GiB pool took 3.7 ms instead of 4.5 here. Anything else, a decode step's scattered
+    slots for one, goes row by row. A repeated slot keeps its later row either way: slots repeat
+    only as whole blocks on the block path.
     """
     blocks = None
-    if target.flags.c_contiguous and source.flags.c_contiguous:
+    if (
+        len(slots) >= _BLOCK_WRITE_MIN_ROWS
+        and len(target) % block_size == 0
+        and target.flags.c_contiguous
+        and source.flags.c_contiguous
+    ):
         blocks = whole_blocks(slots, block_size)
     if blocks is None:
         target[slots] = source

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from omni_cache_cuda import _storage as storage
 from omni_cache_cuda._storage import advise_huge_pages, alloc_host, scatter_rows, whole_blocks
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -85,6 +86,14 @@ def test_whole_blocks_with_blocks_of_one_slot_is_never_a_block_write() -> None:
     assert whole_blocks(np.arange(8, dtype=np.int64), 1) is None
 
 
+def _whole_blocks_in_random_order(blocks: int, block_size: int) -> list[int]:
+    """The slots of ``blocks`` whole blocks out of twice as many, in random order, the first
+    block repeated at the end."""
+    order = np.random.default_rng(blocks).permutation(2 * blocks)[:blocks].tolist()
+    order.append(order[0])
+    return [b * block_size + o for b in order for o in range(block_size)]
+
+
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize(
     "slots",
@@ -92,17 +101,23 @@ def test_whole_blocks_with_blocks_of_one_slot_is_never_a_block_write() -> None:
         [12, 13, 14, 15, 0, 1, 2, 3, 12, 13, 14, 15],  # whole blocks, one twice: the later wins
         [12, 13, 14, 15, 0, 1, 2, 3, 12, 13, 14],  # not whole blocks: row by row
         [7, 2, 7, 30],  # scattered, one slot twice
+        _whole_blocks_in_random_order(200, 4),  # past the threshold: block by block
     ],
+    ids=["blocks", "ragged", "scattered", "many-blocks"],
 )
+@pytest.mark.parametrize("threshold", ["default", "none"])
 def test_scatter_rows_writes_what_a_row_assignment_writes(
-    slots: list[int], contiguous: bool
+    slots: list[int], contiguous: bool, threshold: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Block by block or row by row, the pool ends as ``pool[slots] = rows`` leaves it."""
+    """Block by block or row by row, the pool ends as ``pool[slots] = rows`` leaves it (D33);
+    with no size threshold, the few slots of the small cases take the block path too."""
+    if threshold == "none":
+        monkeypatch.setattr(storage, "_BLOCK_WRITE_MIN_ROWS", 0)
     rng = np.random.default_rng(len(slots))
     index = np.array(slots, dtype=np.int64)
     wide = rng.integers(0, 255, size=(len(slots), 16), dtype=np.uint8)
     rows = wide if contiguous else wide[:, ::2]
-    expected = np.zeros((32, rows.shape[1]), dtype=np.uint8)
+    expected = np.zeros((max(slots) + 1, rows.shape[1]), dtype=np.uint8)
     for slot, row in zip(slots, rows, strict=True):
         expected[slot] = row
     pool = np.zeros_like(expected)
