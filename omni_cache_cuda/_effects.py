@@ -70,6 +70,9 @@ class EffectInterpreter:
 
     def __init__(self, state: AdapterState) -> None:
         self._state = state
+        #: Hit reads of fewer bytes are gathered by the consume, not prefetched (D34). The
+        #: soak and the tests, whose rows are a few bytes wide, set it to 0.
+        self.prefetch_min_bytes = PREFETCH_MIN_BYTES
 
     # -----------------------------------------------------------------------------------------
     # Step start.
@@ -99,7 +102,7 @@ class EffectInterpreter:
                         start_reads.add(effect.read_id)
                         if state.prefetcher is not None and (
                             len(effect.slots) * state.pool.shapes[effect.key].row_bytes
-                            >= PREFETCH_MIN_BYTES
+                            >= self.prefetch_min_bytes
                         ):
                             prefetch.append((state.record(effect.read_id), effect))
                     case Tombstone():

@@ -326,9 +326,13 @@ def _policy() -> ModelCachePolicy:
 
 
 def _manager(options: SoakOptions) -> OmniPrefixCacheManager:
-    return OmniPrefixCacheManager(
+    manager = OmniPrefixCacheManager(
         _config(), policy=_policy(), device=options.device, threaded=not options.inline
     )
+    # The soak's rows are a few bytes wide: every hit is prefetched, so that the prefetch's
+    # paths and its fault point are exercised (HIT-7, D34).
+    manager._effects.prefetch_min_bytes = 0
+    return manager
 
 
 def clean_phase(
@@ -648,6 +652,10 @@ def run(options: SoakOptions, on_hang: Callable[[SoakRun], object]) -> SoakRun:
     soak.sample()
     stop.set()
     dog.join(5)
+    for kind, tally in report.faults.items():
+        if tally["episodes"] and not tally["fired"]:
+            # A fault point no episode reached is a path the soak no longer exercises.
+            report.error(f"{kind}: no episode reached its fault point ({tally['episodes']} run)")
     report.counts["clean steps"] = clean["steps"]
     report.counts["fault steps"] = fault_steps
     report.counts["fault episodes"] = episodes
