@@ -367,9 +367,9 @@ class ConsumePath:
         """
         shape = ctx.shapes[key]
         pool = self._pool.tensors[key]
-        max_rows = max(1, _TOGETHER_MAX_BYTES // (shape.width * pool.element_size()))
+        max_rows = _TOGETHER_MAX_BYTES // (shape.width * pool.element_size())
         hits = [len(read.slots) for _, read, _, _, _ in together]
-        sizes = [len(read.slots) + end - start for _, read, _, start, end in together]
+        sizes = [hit + end - start for hit, (*_, start, end) in zip(hits, together, strict=True)]
         first = 0
         while first < len(together):
             # The group: as many requests as fit under the bound, at least one.
