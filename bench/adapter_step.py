@@ -72,7 +72,11 @@ try:
 except ImportError:  # a revision before whole-block writes, run by the compare scripts
 
     def scatter_rows(
-        target: np.ndarray, slots: np.ndarray, source: np.ndarray, block_size: int = 1
+        target: np.ndarray,
+        slots: np.ndarray,
+        source: np.ndarray,
+        block_size: int = 1,
+        blocks: np.ndarray | None = None,
     ) -> None:
         """The pool write of the revisions before `scatter_rows`: row by row."""
         target[slots] = source

@@ -193,10 +193,14 @@ def counting(m: OmniPrefixCacheManager, counter: CopyCounter) -> Iterator[None]:
     plain_scatter = _committer.scatter_rows  # type: ignore[attr-defined]
 
     def counted_scatter(
-        target: np.ndarray, slots: np.ndarray, source: np.ndarray, block_size: int = 1
+        target: np.ndarray,
+        slots: np.ndarray,
+        source: np.ndarray,
+        block_size: int = 1,
+        blocks: np.ndarray | None = None,
     ) -> None:
         counter.count_pool_assignment(target.shape[1])
-        plain_scatter(target, slots, source, block_size)
+        plain_scatter(target, slots, source, block_size, blocks)
 
     saved = state.ranges, state.committer.ranges
     state.ranges = state.committer.ranges = counter.range

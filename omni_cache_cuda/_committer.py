@@ -37,7 +37,13 @@ from omni_cache_core import (
 from omni_cache_cuda._faults import Faults
 from omni_cache_cuda._log import log
 from omni_cache_cuda._nvtx import RangeFn, no_ranges
-from omni_cache_cuda._storage import HostPool, StagingPages, row_bytes, scatter_rows
+from omni_cache_cuda._storage import (
+    HostPool,
+    StagingPages,
+    row_bytes,
+    scatter_rows,
+    write_blocks,
+)
 
 __all__ = ["Chunk", "Committer", "JobStage", "Signal", "WriteJob"]
 
@@ -98,6 +104,8 @@ class WriteJob:
     """The adapter side of one write task: where its rows are and which slots it lost."""
 
     __slots__ = (
+        "_blocks",
+        "_blocks_found",
         "chunks",
         "d2h_event",
         "freeze_event",
@@ -139,6 +147,8 @@ class WriteJob:
         self.stage = JobStage.QUEUED if page is not None else JobStage.PENDING
         self.lock = threading.Lock()
         self.tombstones: dict[TensorName, list[torch.Tensor]] = {}
+        self._blocks: np.ndarray | None = None
+        self._blocks_found = False
 
     @property
     def deferred(self) -> bool:
@@ -149,6 +159,19 @@ class WriteJob:
         """Record slots a newer write took (SLOT-2)."""
         with self.lock:
             self.tombstones.setdefault(key, []).append(slots)
+
+    def write_blocks(self, block_size: int) -> np.ndarray | None:
+        """The KV blocks a step write's pool write goes by (`_storage.write_blocks`), or None.
+
+        Found at the first call and kept: every key of the step is written at the same slots,
+        and the save's check for repeated slots reads them too (D33). Only the thread running
+        the job calls it.
+        """
+        if not self._blocks_found:
+            if self.slots is not None:
+                self._blocks = write_blocks(self.slots.numpy(), block_size)
+            self._blocks_found = True
+        return self._blocks
 
     def lost(self, key: TensorName) -> torch.Tensor | None:
         """Every slot of ``key`` this job lost so far, or None."""
@@ -459,13 +482,21 @@ class Committer:
                 continue  # SLOT-2: newer writes took every slot; nothing of ours remains
             # A row copy through byte views (whole blocks where the slots are) runs at memcpy
             # speed; torch's CPU index_copy_ is several times slower and splits repeated
-            # indices across threads. Rows between tombstoned positions go in runs, so skipping
-            # a few copies nothing extra.
-            start = 0
-            for stop in (*skip, len(index)):
-                if stop > start:
-                    scatter_rows(target, index[start:stop], source[start:stop], block)
-                start = stop + 1
+            # indices across threads.
+            if len(skip):
+                # Rows between tombstoned positions go in runs: skipping a few copies nothing
+                # extra.
+                start = 0
+                for stop in (*skip, len(index)):
+                    if stop > start:
+                        scatter_rows(target, index[start:stop], source[start:stop], block)
+                    start = stop + 1
+            elif job.deferred:
+                scatter_rows(target, index, source, block)
+            else:
+                blocks = job.write_blocks(block)
+                # Found or not, they are not looked for again: block size 1 is row by row.
+                scatter_rows(target, index, source, block if blocks is not None else 1, blocks)
             written = len(index) - len(skip)
             self.rows_written[key] += written
             self.bytes_to_pool += written * source.shape[1]

@@ -226,7 +226,7 @@ class SavePath:
         rows = job.rows
         job.rows = None  # the caller's tensors are the caller's again once this returns
         assert rows is not None
-        shadowed = _shadowed_rows(slots)
+        shadowed = _shadowed_rows(slots, job.write_blocks(self._pool.block_size))
         for key, record in ctx.own.items():
             lost = job.lost(key)
             keep = shadowed
@@ -427,18 +427,26 @@ def writes_direct(threaded: bool, nbytes: int) -> bool:
 _SORT_CHECK_MAX_ROWS = 1024
 
 
-def _shadowed_rows(slots: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
+def _shadowed_rows(
+    slots: npt.NDArray[np.int64], blocks: npt.NDArray[np.int64] | None = None
+) -> npt.NDArray[np.intp]:
     """Rows whose slot appears again later in the step: the pool keeps the later row (D27).
 
-    A long step's slots come in runs of consecutive values (blocks); runs that do not overlap
-    hold no slot twice, which is checked without sorting every slot. A short step (a decode
-    step: one slot per request, no runs) is checked by one plain sort; only a step that does
-    repeat a slot pays for the stable sort that finds which rows.
+    ``blocks``: the KV blocks the slots fill, when the pool write found them whole
+    (`WriteJob.write_blocks`): a slot then repeats only with its block, so distinct blocks
+    settle it. Otherwise a long step's slots come in runs of consecutive values (blocks); runs
+    that do not overlap hold no slot twice, which is checked without sorting every slot. A
+    short step (a decode step: one slot per request, no runs) is checked by one plain sort;
+    only a step that does repeat a slot pays for the stable sort that finds which rows.
     """
     n = len(slots)
     if n < 2:
         return np.zeros(0, dtype=np.intp)
-    if n > _SORT_CHECK_MAX_ROWS:
+    if blocks is not None:
+        heads = np.sort(blocks)
+        if (heads[1:] != heads[:-1]).all():
+            return np.zeros(0, dtype=np.intp)
+    elif n > _SORT_CHECK_MAX_ROWS:
         breaks = np.flatnonzero(np.diff(slots) != 1) + 1
         if len(breaks) < n // 4:
             starts = np.concatenate(([0], breaks))

@@ -28,6 +28,7 @@ from omni_cache_cuda import (
     PrefixCacheWriteLayout,
     StagingCopyError,
     WriteFailedError,
+    _committer,
     _consume_path,
 )
 from omni_cache_cuda._consume_path import ConsumePath
@@ -233,6 +234,42 @@ def test_a_slot_twice_in_one_step_keeps_both_rows(manager: OmniPrefixCacheManage
     settle(manager)
     pool = manager._state.pool.tensors[HIDDEN_KEY]
     assert torch.equal(pool[48:52], rows_kept[4:])  # the later row won the slot
+
+
+def test_whole_blocks_twice_in_one_big_step_keep_both_rows(
+    manager: OmniPrefixCacheManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D33, TASK-5: a `BIG` step whose two requests write the same whole blocks goes to the pool
+    a block at a time; the pool keeps the later rows, the step's materialize returns each
+    request's own, and the step's blocks are found once, for both keys and the repeat check."""
+    found: list[int] = []
+    write_blocks = _committer.write_blocks
+
+    def counted(slots: Any, block_size: int) -> Any:
+        found.append(len(slots))
+        return write_blocks(slots, block_size)
+
+    monkeypatch.setattr(_committer, "write_blocks", counted)
+    half = BIG // 2
+    shared = _blocks(3, half)
+    rows = _rows(BIG, 4.0)
+    step = _save(
+        manager,
+        [_start("x", shared, half), _start("y", shared, half)],
+        {"x": half, "y": half},
+        {"x": 0, "y": 0},
+        {"x": shared, "y": shared},
+        rows,
+    )
+    assert found == [BIG]
+    rows_kept = rows[0].clone()
+    rows[0].fill_(0.0)
+    out = manager.materialize(step, ["x", "y"])
+    assert torch.equal(out.hidden_states["x"], rows_kept[:half])
+    assert torch.equal(out.hidden_states["y"], rows_kept[half:])
+    settle(manager)
+    pool = manager._state.pool.tensors[HIDDEN_KEY]
+    assert torch.equal(pool[3 * BLOCK : 3 * BLOCK + half], rows_kept[half:])
 
 
 @pytest.mark.parametrize("point", ["pool_write", "host_ready"])

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from omni_cache_cuda import _storage as storage
-from omni_cache_cuda._storage import advise_huge_pages, alloc_host, scatter_rows, whole_blocks
+from omni_cache_cuda._save_path import _shadowed_rows
+from omni_cache_cuda._storage import (
+    advise_huge_pages,
+    alloc_host,
+    scatter_rows,
+    whole_blocks,
+    write_blocks,
+)
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -106,11 +113,18 @@ def _whole_blocks_in_random_order(blocks: int, block_size: int) -> list[int]:
     ids=["blocks", "ragged", "scattered", "many-blocks"],
 )
 @pytest.mark.parametrize("threshold", ["default", "none"])
+@pytest.mark.parametrize("blocks", ["looked for", "given"])
 def test_scatter_rows_writes_what_a_row_assignment_writes(
-    slots: list[int], contiguous: bool, threshold: str, monkeypatch: pytest.MonkeyPatch
+    slots: list[int],
+    contiguous: bool,
+    threshold: str,
+    blocks: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Block by block or row by row, the pool ends as ``pool[slots] = rows`` leaves it (D33);
-    with no size threshold, the few slots of the small cases take the block path too."""
+    with no size threshold, the few slots of the small cases take the block path too. Blocks
+    found beforehand (`write_blocks`, as a step's write finds them once for all its keys) are
+    taken as found, and strided rows still go row by row."""
     if threshold == "none":
         monkeypatch.setattr(storage, "_BLOCK_WRITE_MIN_ROWS", 0)
     rng = np.random.default_rng(len(slots))
@@ -121,5 +135,34 @@ def test_scatter_rows_writes_what_a_row_assignment_writes(
     for slot, row in zip(slots, rows, strict=True):
         expected[slot] = row
     pool = np.zeros_like(expected)
-    scatter_rows(pool, index, rows, 4)
+    if blocks == "given":
+        found = write_blocks(index, 4)
+        scatter_rows(pool, index, rows, 4 if found is not None else 1, found)
+    else:
+        scatter_rows(pool, index, rows, 4)
     np.testing.assert_array_equal(pool, expected)
+
+
+def test_write_blocks_only_for_writes_of_the_threshold_and_more() -> None:
+    """D33: a write under `_BLOCK_WRITE_MIN_ROWS` rows goes row by row, whole blocks or not."""
+    many = np.array(_whole_blocks_in_random_order(200, 4), dtype=np.int64)
+    assert len(many) >= storage._BLOCK_WRITE_MIN_ROWS
+    found = write_blocks(many, 4)
+    assert found is not None and found.tolist() == (many[::4] // 4).tolist()
+    assert write_blocks(many[: 4 * 8], 4) is None
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+def test_shadowed_rows_from_whole_blocks_are_those_of_the_slots(repeat: bool) -> None:
+    """TASK-5, D33: the save's check for repeated slots, given the write's whole blocks, names
+    the rows that a later row of the step shadows, as the check of the slots alone does."""
+    slots = np.array(_whole_blocks_in_random_order(200, 4), dtype=np.int64)
+    if not repeat:
+        slots = slots[:-4]  # the first block's repeat at the end
+    blocks = whole_blocks(slots, 4)
+    assert blocks is not None
+    shadowed = _shadowed_rows(slots, blocks)
+    assert shadowed.tolist() == _shadowed_rows(slots).tolist()
+    later = {int(slot): row for row, slot in enumerate(slots)}
+    assert shadowed.tolist() == [row for row, slot in enumerate(slots) if later[slot] != row]
+    assert bool(len(shadowed)) == repeat
