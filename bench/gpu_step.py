@@ -192,15 +192,9 @@ def counting(m: OmniPrefixCacheManager, counter: CopyCounter) -> Iterator[None]:
     # up (_committer imports it from _storage without re-exporting it).
     plain_scatter = _committer.scatter_rows  # type: ignore[attr-defined]
 
-    def counted_scatter(
-        target: np.ndarray,
-        slots: np.ndarray,
-        source: np.ndarray,
-        block_size: int = 1,
-        blocks: np.ndarray | None = None,
-    ) -> None:
+    def counted_scatter(target: np.ndarray, *args: Any, **kwargs: Any) -> None:
         counter.count_pool_assignment(target.shape[1])
-        plain_scatter(target, slots, source, block_size, blocks)
+        plain_scatter(target, *args, **kwargs)
 
     saved = state.ranges, state.committer.ranges
     state.ranges = state.committer.ranges = counter.range
