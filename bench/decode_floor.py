@@ -43,10 +43,17 @@ the threads the manager starts inherit that or are moved, so where each thread r
   of 256 requests, but rows too small to evict the caches the Python runs from. The
   difference to the row above, less its landing copy, is what a step's own rows passing
   through the caches (the landing copy here, the materialize's copy out before it) costs the
-  rest of the engine thread's work.
+  rest of the engine thread's work;
+- `one vCPU, 2 ms pauses (diagnostic)`: `threaded, one vCPU` with the engine thread asleep for
+  2 ms after each step, as it would wait for a forward pass: the same calls on the same data,
+  so what it adds to the parts is what the thread pays for having slept (its caches and its
+  CPU's state are lost meanwhile on a shared virtual machine). The committer's write is done in
+  the pause, so nothing waits for it.
 
-Beside the parts, two whole-step figures: `wall` of `step_begin` + `save` (what the engine
-waits for), and `process` CPU per step (`time.process_time` over `step_begin`, `save` and
+Beside the parts, three whole-step figures: `wall` of `step_begin` + `save` (what the engine
+waits for), `blocks`, the engine thread's voluntary context switches in `step_begin` + `save`
+per step (the times it went to sleep: a barrier, a page or the GIL held by the committer), and
+`process` CPU per step (`time.process_time` over `step_begin`, `save` and
 `materialize`: every thread's work for the step, the committer's included). Under the threaded
 variants, the committer thread's CPU and wall time per step write (`Committer.run` on that
 thread, medians): wall beyond CPU is time the write waited, for the GIL above all, which numpy
@@ -69,6 +76,7 @@ import collections
 import functools
 import os
 import random
+import resource
 import statistics
 import sys
 import threading
@@ -96,6 +104,8 @@ INLINE = "inline"
 NO_HAND_OFF = "no hand-off (diagnostic)"
 NARROW = "no hand-off, narrow rows (diagnostic)"
 NARROW_WIDTH = 16
+PAUSED = "one vCPU, 2 ms pauses (diagnostic)"
+PAUSE_S = 2e-3
 
 #: (owner, attribute, part name): the functions timed; a part's figure is its inclusive time.
 _TIMED: tuple[tuple[Any, str, str], ...] = (
@@ -250,18 +260,22 @@ def _steps(
     with hand_off, timed(parts):
         for i, step in enumerate(setup + steps):
             n = step.rows
+            b0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
             p0, w0 = time.process_time_ns(), time.perf_counter_ns()
             t0 = time.thread_time_ns()
             glue.step_begin(step.so)
             sid = glue.save(hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n)
             total = time.thread_time_ns() - t0
             wall = time.perf_counter_ns() - w0
+            blocks = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - b0
             if i < len(setup):
                 glue.discard_step(sid)
                 parts.step.clear()
                 continue
-            step_parts = dict(parts.step, total=total, wall=wall)
+            step_parts = dict(parts.step, total=total, wall=wall, blocks=blocks)
             glue.materialize(sid, step.order)
+            if variant == PAUSED:
+                time.sleep(PAUSE_S)  # not timed: the thread only sleeps
             # The consume's own core and wait calls are not the step's parts.
             parts.step.clear()
             if i >= len(setup) + warmup:
@@ -281,6 +295,7 @@ def main() -> None:
     variants = (
         *((TWO_VCPUS,) if two else ()),
         ONE_VCPU,
+        PAUSED,
         INLINE,
         NO_HAND_OFF,
         NARROW,
@@ -298,6 +313,7 @@ def main() -> None:
     columns = (
         "total",
         "wall",
+        "blocks",
         "process",
         "glue begin",
         "manager start",
@@ -311,13 +327,17 @@ def main() -> None:
         "rest",
     )
     print(f"{'variant':<38}" + "".join(f"{c:>14}" for c in columns) + "   rounds (total)")
-    print(f"{'':<38}" + "".join(f"{c:>14}" for c in ("engine CPU", "engine wall", "all threads")))
+    print(
+        f"{'':<38}"
+        + "".join(f"{c:>14}" for c in ("engine CPU", "engine wall", "a step", "all threads"))
+    )
     for variant in variants:
         best = min(rounds[variant], key=lambda p: p.median_us("total"))
         m = best.median_us
         figures = {
             "total": m("total"),
             "wall": m("wall"),
+            "blocks": statistics.fmean(best.samples["blocks"]),
             "process": m("process"),
             "glue begin": m("glue begin+") - m("manager start"),
             "manager start": m("manager start"),
@@ -334,7 +354,7 @@ def main() -> None:
         )
         spread = ", ".join(f"{p.median_us('total'):.0f}" for p in rounds[variant])
         print(f"{variant:<38}" + "".join(f"{figures[c]:>14.1f}" for c in columns) + f"   {spread}")
-        if variant in (TWO_VCPUS, ONE_VCPU):
+        if variant in (TWO_VCPUS, ONE_VCPU, PAUSED):
             print(
                 f"{'':<38}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
                 f"{best.waits} of {len(best.samples['total'])} steps; the committer's write "

@@ -25,6 +25,14 @@ lifecycle, the core's save transaction and its step, the state lock, the page ho
 preservation of rows older reads planned on (HIT-6), the write's reports and waiters, stats
 and metrics. So its figure is a floor: a correct cache does at least this.
 
+It also leaves out the save barrier (TASK-3): its next save does not wait for the previous
+step's write to be in the pool, which the library's must (a reused slot must not leave a
+pending pool write behind). `least + barrier` is the same cache with that wait, a floor for a
+cache under this spec: with the writer on another vCPU the wait puts the engine thread to sleep
+whenever the write is late, and the thread pays for each sleep in wake-ups and cold caches.
+Beside each figure the script prints the engine thread's blocks per step: its voluntary context
+switches (waits for the barrier, a page or the GIL), counted by `getrusage` over the timed steps.
+
 The rest of the step is the library's: the writer thread scatters the page's rows into a pool
 of the same size (16384 blocks of 16 slots, byte views, as the committer), and the consume
 (right after the save, on the same thread, as `vllm_glue.py` runs it; not timed) copies the
@@ -36,12 +44,18 @@ same tensors, in alternating rounds, in two thread placements (Linux only; see
 `decode_floor.py`): `one vCPU` (the writer or committer thread on the engine thread's CPU) and
 `two vCPUs` (on the other one, left out on a single CPU). Per placement it prints the medians of
 the quietest round of each (engine-thread CPU for begin + save, and the least's parts: its
-landing copy, its hand-off, the rest), the library's ratio to the least and how much of the
-target the least leaves for everything it leaves out. Before the rounds it checks once that
+landing copy, its hand-off, its barrier wait, the rest), the library's ratio to the least and
+how much of the target the least leaves for everything it leaves out, for the least without
+and with the barrier. Before the rounds it checks once that
 the least cache marks and writes the slots of the glue's own layouts for every step and hands
 back the rows saved (`check_least`).
 
-Run: python bench/decode_least.py [--steps N] [--rounds R]
+`--pause-ms P` puts the engine thread to sleep for P ms after every step of both, as an engine
+waits for its forward pass between steps. On a shared virtual machine a thread that slept
+finds its caches, and its CPU's state, lost: the same work then costs more, and the writer's
+work is done in the pause, so nothing waits for it.
+
+Run: python bench/decode_least.py [--steps N] [--rounds R] [--pause-ms P]
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ import collections
 import operator
 import os
 import random
+import resource
 import statistics
 import sys
 import threading
@@ -106,9 +121,13 @@ def placements() -> tuple[str, ...]:
 
 
 class LeastCache:
-    """A decode step's least work (module docstring); serves nothing but plain decode steps."""
+    """A decode step's least work (module docstring); serves nothing but plain decode steps.
 
-    def __init__(self) -> None:
+    ``barrier``: a save first waits until the previous steps' writes are in the pool (TASK-3).
+    """
+
+    def __init__(self, *, barrier: bool = False) -> None:
+        self.barrier = barrier
         slots = NUM_BLOCKS * BLOCK_SIZE
         widths = {"hidden": WIDTH, MM_KEY: MM_WIDTH}
         self.pool = {k: alloc_host((slots, w), DTYPE, pin=False) for k, w in widths.items()}
@@ -127,11 +146,15 @@ class LeastCache:
         self.row_start = np.zeros(512, dtype=np.int64)
         self.busy = [False] * PAGES  # a page is busy from its copy until its write is done
         self.tid = 0
+        self.written = 0  # steps whose write is in the pool
+        self.write_delay_s = 0.0  # `check_least` makes the writer late on purpose
         self.queue: collections.deque[tuple[int, np.ndarray, int] | None] = collections.deque()
         self.cv = threading.Condition()
         self.writer = threading.Thread(target=self._write_loop, daemon=True)
         self.writer.start()
-        self.copy_ns = 0  # the current step's landing copy and hand-off, thread CPU time
+        # The current step's barrier wait, landing copy and hand-off, thread CPU time.
+        self.wait_ns = 0
+        self.copy_ns = 0
         self.hand_off_ns = 0
 
     def start(self, steps: Sequence[Step]) -> None:
@@ -172,6 +195,12 @@ class LeastCache:
 
     def save(self, hidden: torch.Tensor, mm: torch.Tensor, order: list[str]) -> int:
         """The step's rows into a landing page, its write handed to the writer; its page."""
+        if self.barrier:
+            t0 = time.thread_time_ns()
+            with self.cv:
+                while self.written < self.tid:
+                    self.cv.wait()
+            self.wait_ns = time.thread_time_ns() - t0
         if order != self.order:
             self.order_rows = np.array(operator.itemgetter(*order)(self.row_of), dtype=np.int64)
             self.order = list(order)
@@ -220,75 +249,111 @@ class LeastCache:
             if job is None:
                 return
             page, slots, n = job
+            if self.write_delay_s:
+                time.sleep(self.write_delay_s)
             for key, target in pool.items():
                 target[slots] = pages[page][key][:n]
             with self.cv:
                 self.busy[page] = False
+                self.written += 1
                 self.cv.notify()
 
 
-def check_least(setup: list[Step], steps: list[Step], tensors: Any) -> None:
+def check_least(setup: list[Step], steps: list[Step], tensors: Any, *, barrier: bool) -> None:
     """Check that the least cache writes the slots of the glue's own layouts, and the rows.
+
+    With ``barrier``, also that every save finds the previous step's rows in the pool, with the
+    writer made a millisecond late for every write so that a save without the wait would not.
 
     Raises:
         AssertionError: It does not, so its figure would not be a decode step's work.
     """
     hidden, mm = tensors
     layouts = [layout for _, layout in recorded(setup, steps)[len(setup) :]]
-    cache = LeastCache()
+    cache = LeastCache(barrier=barrier)
+    cache.write_delay_s = 1e-3 if barrier else 0.0
+    previous: Any = None
     try:
         cache.start(setup)
         for step, layout in zip(steps, layouts, strict=True):
             n = step.rows
             cache.begin(step.so)
             page = cache.save(hidden[:n], mm[:n], step.order)
+            if barrier and previous is not None:
+                rows = cache.pool["hidden"][previous.slots_cpu]
+                assert torch.equal(rows, hidden[: previous.num_rows]), "a save passed a late write"
             assert list(layout.req_ids) == step.order
             slots = layout.slots_cpu.numpy()
             assert (cache.owner["hidden"][slots] == cache.tid).all(), "slots differ"
             assert torch.equal(cache.consume(page, n)["hidden"], hidden[:n]), "rows differ"
+            previous = layout
     finally:
         cache.close()
     assert torch.equal(cache.pool["hidden"][layout.slots_cpu], hidden[:n]), "pool rows differ"
 
 
+def _blocks() -> int:
+    """This thread's voluntary context switches so far: the times it went to sleep."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
 def least_round(
-    setup: list[Step], steps: list[Step], warmup: int, placement: str, tensors: Any
+    setup: list[Step],
+    steps: list[Step],
+    warmup: int,
+    placement: str,
+    tensors: Any,
+    *,
+    barrier: bool = False,
+    pause_s: float = 0.0,
 ) -> dict[str, float]:
-    """Medians (us) of the least cache's begin + save, its landing copy and its hand-off."""
+    """Medians (us) of the least cache's begin + save and its parts; its blocks per step."""
     hidden, mm = tensors
-    total, copy, hand_off = [], [], []
+    parts: dict[str, list[int]] = {"total": [], "wait": [], "copy": [], "hand-off": []}
+    blocks = 0
     with on_first_cpu() as cpus:
-        cache = LeastCache()
+        cache = LeastCache(barrier=barrier)
         try:
             if placement == TWO_VCPUS:
                 to_second_cpu(cache.writer, cpus)
             cache.start(setup)
             for i, step in enumerate(steps):
                 n = step.rows
+                b0 = _blocks()
                 t0 = time.thread_time_ns()
                 cache.begin(step.so)
                 page = cache.save(hidden[:n], mm[:n], step.order)
                 t1 = time.thread_time_ns()
+                b1 = _blocks()
                 cache.consume(page, n)
+                if pause_s:
+                    time.sleep(pause_s)
                 if i >= warmup:
-                    total.append(t1 - t0)
-                    copy.append(cache.copy_ns)
-                    hand_off.append(cache.hand_off_ns)
+                    parts["total"].append(t1 - t0)
+                    parts["wait"].append(cache.wait_ns)
+                    parts["copy"].append(cache.copy_ns)
+                    parts["hand-off"].append(cache.hand_off_ns)
+                    blocks += b1 - b0
         finally:
             cache.close()
-    return {
-        "total": statistics.median(total) / 1e3,
-        "copy": statistics.median(copy) / 1e3,
-        "hand-off": statistics.median(hand_off) / 1e3,
-    }
+    figures = {k: statistics.median(v) / 1e3 for k, v in parts.items()}
+    figures["blocks"] = blocks / (len(steps) - warmup)
+    return figures
 
 
 def library_round(
-    setup: list[Step], steps: list[Step], warmup: int, placement: str, tensors: Any
+    setup: list[Step],
+    steps: list[Step],
+    warmup: int,
+    placement: str,
+    tensors: Any,
+    *,
+    pause_s: float = 0.0,
 ) -> dict[str, float]:
-    """Median (us) of the glue's step_begin + save over a threaded manager."""
+    """Median (us) of the glue's step_begin + save over a threaded manager; blocks per step."""
     hidden, mm = tensors
     total = []
+    blocks = 0
     with on_first_cpu() as cpus, VllmPrefixCache(make_manager(True), block_size=BLOCK_SIZE) as glue:
         committer = glue.manager._state.committer._thread
         if placement == TWO_VCPUS and committer is not None:
@@ -300,56 +365,107 @@ def library_round(
             glue.discard_step(sid)
         for i, step in enumerate(steps):
             n = step.rows
+            b0 = _blocks()
             t0 = time.thread_time_ns()
             glue.step_begin(step.so)
             sid = glue.save(hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n)
             t1 = time.thread_time_ns()
+            b1 = _blocks()
             glue.materialize(sid, step.order)
+            if pause_s:
+                time.sleep(pause_s)
             if i >= warmup:
                 total.append(t1 - t0)
-    return {"total": statistics.median(total) / 1e3}
+                blocks += b1 - b0
+    return {"total": statistics.median(total) / 1e3, "blocks": blocks / (len(steps) - warmup)}
+
+
+#: The least caches measured: without and with the save barrier.
+LEAST_KINDS = {"least": False, "least + barrier": True}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--pause-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long after every step, as an engine waits for its forward pass",
+    )
     args = parser.parse_args()
+    pause_s = args.pause_ms / 1e3
     torch.set_num_threads(1)
     setup, steps, tensors = inputs(args.steps)
-    check_least(setup, steps, tensors)
+    for barrier in LEAST_KINDS.values():
+        check_least(setup, steps, tensors, barrier=barrier)
     where = placements()
-    least: dict[str, list[dict[str, float]]] = {p: [] for p in where}
+    least: dict[tuple[str, str], list[dict[str, float]]] = {
+        (p, k): [] for p in where for k in LEAST_KINDS
+    }
     library: dict[str, list[dict[str, float]]] = {p: [] for p in where}
     for _ in range(args.rounds):
         for placement in where:
-            least[placement].append(least_round(setup, steps, WARMUP, placement, tensors))
-            library[placement].append(library_round(setup, steps, WARMUP, placement, tensors))
+            for kind, barrier in LEAST_KINDS.items():
+                least[placement, kind].append(
+                    least_round(
+                        setup, steps, WARMUP, placement, tensors, barrier=barrier, pause_s=pause_s
+                    )
+                )
+            library[placement].append(
+                library_round(setup, steps, WARMUP, placement, tensors, pause_s=pause_s)
+            )
     print(
         f"torch {torch.__version__}, CPU, one intra-op thread; decode 256 x 1, order kept; "
         f"engine-thread CPU us per step for begin + save, medians, quietest of {args.rounds} "
-        f"alternating rounds of {args.steps} steps"
+        f"alternating rounds of {args.steps} steps, {args.pause_ms:g} ms pauses between "
+        f"steps; blocks: the engine thread's voluntary context switches a step in begin + save"
     )
-    header = ("least", "copy", "hand-off", "rest", "library", "library/least", "target - least")
-    print(f"{'placement':<12}" + "".join(f"{h:>16}" for h in header) + "   rounds (least/library)")
+    header = (
+        "least",
+        "wait",
+        "copy",
+        "hand-off",
+        "rest",
+        "blocks",
+        "library",
+        "blocks",
+        "library/least",
+        "target - least",
+    )
+    print(
+        f"{'placement':<12}{'cache':<17}"
+        + "".join(f"{h:>15}" for h in header)
+        + "   rounds (least/library)"
+    )
     for placement in where:
-        low = min(least[placement], key=lambda r: r["total"])
-        lib = min(r["total"] for r in library[placement])
-        rest = low["total"] - low["copy"] - low["hand-off"]
-        figures = (
-            low["total"],
-            low["copy"],
-            low["hand-off"],
-            rest,
-            lib,
-            lib / low["total"],
-            ENGINE_TARGET_US - low["total"],
-        )
-        spread = ", ".join(
-            f"{a['total']:.0f}/{b['total']:.0f}"
-            for a, b in zip(least[placement], library[placement], strict=True)
-        )
-        print(f"{placement:<12}" + "".join(f"{f:>16.2f}" for f in figures) + f"   {spread}")
+        lib = min(library[placement], key=lambda r: r["total"])
+        for kind in LEAST_KINDS:
+            rounds = least[placement, kind]
+            low = min(rounds, key=lambda r: r["total"])
+            rest = low["total"] - low["wait"] - low["copy"] - low["hand-off"]
+            figures = (
+                low["total"],
+                low["wait"],
+                low["copy"],
+                low["hand-off"],
+                rest,
+                low["blocks"],
+                lib["total"],
+                lib["blocks"],
+                lib["total"] / low["total"],
+                ENGINE_TARGET_US - low["total"],
+            )
+            spread = ", ".join(
+                f"{a['total']:.0f}/{b['total']:.0f}"
+                for a, b in zip(rounds, library[placement], strict=True)
+            )
+            print(
+                f"{placement:<12}{kind:<17}"
+                + "".join(f"{f:>15.2f}" for f in figures)
+                + f"   {spread}"
+            )
 
 
 if __name__ == "__main__":
