@@ -113,6 +113,7 @@ _TIMED: tuple[tuple[Any, str, str], ...] = (
     (glue_module.VllmPrefixCache, "save", "glue save+"),
     (_save_path.SavePath, "save", "manager save"),
     (_save_path.SavePath, "_copy_step", "landing copy"),
+    (_save_path.SavePath, "_copy_into_pages", "landing copy"),
     (_committer.Committer, "submit", "hand-off"),
     (_save_path.SavePath, "_write_now", "pool write"),
     (_state.AdapterState, "wait_for_signal", "barrier wait"),

@@ -271,7 +271,19 @@ class CacheCore(CoreQueries):
         check_save_sizes(inp, self.config.staging_capacity_tokens)
         # D3, STEP-5: raise now, while nothing has changed, rather than halfway through the commit.
         self._writes.check_tid_room(inp)
-        self._save.begin(PendingSave(inp, entries, rows, keys))
+        self._save.begin(PendingSave(inp, entries, rows, keys, self._pages.lowest_free()))
+
+    @property
+    def save_page(self) -> int | None:
+        """The page the save in progress copies its rows into (PAGE-7), or None.
+
+        Known from the save's begin when a page was free then (the page its `PageClaimed` will
+        name), or from its claim; None without a save in progress, or before a page is known.
+        """
+        save = self._save.pending
+        if save is None:
+            return None
+        return save.page if save.page is not None else save.hint
 
     def save_proceed(
         self, inp: SaveProceed

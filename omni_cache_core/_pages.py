@@ -73,13 +73,30 @@ class PageHolders:
         """Whether the holder `(kind, ident)` holds `page`."""
         return (kind, ident) in self._pages[page]
 
-    def claim_free(self, kind: HolderKind, ident: int = 0) -> int | None:
-        """Hold the lowest page with no holder for `(kind, ident)`; None if none is free (PAGE-2)."""
+    def lowest_free(self) -> int | None:
+        """The lowest page with no holder, or None."""
         for page, holders in enumerate(self._pages):
             if not holders:
-                holders.add((kind, ident))
                 return page
         return None
+
+    def claim_free(self, kind: HolderKind, ident: int = 0) -> int | None:
+        """Hold the lowest page with no holder for `(kind, ident)`; None if none is free (PAGE-2)."""
+        page = self.lowest_free()
+        if page is not None:
+            self._pages[page].add((kind, ident))
+        return page
+
+    def claim(self, page: int, kind: HolderKind, ident: int = 0) -> None:
+        """Hold `page`, which must be free, for `(kind, ident)` (PAGE-7).
+
+        Raises:
+            InvariantError: The page has a holder (a bug in this library); nothing changes.
+        """
+        holders = self._pages[page]
+        if holders:
+            raise InvariantError(f"page {page} was to be free for the save but is held: {holders}")
+        holders.add((kind, ident))
 
     def publish(self, page: int, step_id: int, tid: int | None) -> None:
         """A commit: the save lets go of `page`, which its step and its step write now hold.

@@ -14,7 +14,7 @@ BUDGET   FLUSH     BUDGET   over budget: the oldest unfinished write is escalate
 BUDGET   WAIT      BUDGET   the flushed write is not WRITTEN yet
 BUDGET   ADMITTED  PAGE     it fits, or nothing is left to flush: the bytes are reserved
 PAGE     WAIT      PAGE     no page is free (PAGE-4)
-PAGE     CLAIMED   READY    the save holds a page
+PAGE     CLAIMED   READY    the save holds a page: the one free at its begin, if any (PAGE-7)
 =======  ========  =======  ==================================================================
 
 This unit decides the phase, its deadline, the bytes the save reserved and the page it holds,
@@ -129,6 +129,7 @@ class PendingSave:
         "deadline_ns",
         "entries",
         "flushing",
+        "hint",
         "inp",
         "keys",
         "page",
@@ -142,6 +143,7 @@ class PendingSave:
         entries: npt.NDArray[np.int64],
         rows: npt.NDArray[np.int64],
         keys: tuple[TensorName, ...],
+        hint: int | None = None,
     ) -> None:
         self.inp = inp
         #: Each request's row count, in layout order (`check_save_shape`).
@@ -154,6 +156,9 @@ class PendingSave:
         self.deadline_ns: int | None = None
         self.charged = 0
         self.page: int | None = None
+        #: The page the save claims (PAGE-7): the lowest free one at its begin, which nothing
+        #: else can claim before this save does; None if no page was free then.
+        self.hint = hint
         #: The write the budget flush escalated and now waits for until it is WRITTEN.
         self.flushing: Tid | None = None
 
@@ -298,7 +303,13 @@ class SaveInProgress:
             save.charged = need
             save.phase, save.deadline_ns = _AFTER_BUDGET, None
         if save.phase is SavePhase.PAGE:
-            free = pages.claim_free(HolderKind.SAVE)
+            if save.hint is not None:
+                # PAGE-7: free since the begin, since only a save claims a page (D6: one at a
+                # time); the adapter may have copied the step's rows into it meanwhile.
+                pages.claim(save.hint, HolderKind.SAVE)
+                free: int | None = save.hint
+            else:
+                free = pages.claim_free(HolderKind.SAVE)
             if free is None:
                 save.move(SaveOutcome.WAIT)
                 if save.deadline_ns is None:

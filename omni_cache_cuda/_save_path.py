@@ -144,13 +144,43 @@ class SavePath:
             deferred_bytes=deferred_bytes,
             drafts=_draft_rows(draft_tokens, req_ids),
         )
+        # D27: a CPU step written straight from the caller's tensors, not through the page.
+        direct = (
+            not state.cuda
+            and bool(parts.immediate)
+            and writes_direct(
+                state.threaded, sum(t.numel() * t.element_size() for t in parts.immediate.values())
+            )
+        )
         with state.lock:
             state.drain()
             state.core.save_begin(begin)
+            early = state.core.save_page
         try:
+            if (
+                early is not None
+                and not (state.cuda or direct)
+                and parts.immediate
+                and parts.immediate.keys() <= self._pages.buffers.keys()
+            ):
+                # PAGE-7: a CPU step's rows go into the page the save will claim before it
+                # waits at the barrier (TASK-3), so the committer ends the previous write
+                # meanwhile, while this thread copies without the GIL.
+                with state.ranges("omni_cache.step_copy"):
+                    self._copy_into_pages(parts, n, early)
+            else:
+                early = None
             page = self._effects.proceed()
             self._host_memory.install_keys(shapes, parts.immediate.keys())
-            ctx, step_job = self.stage(parts, n, page, write_layout, slot_ids)
+            ctx, step_job = self.stage(
+                parts,
+                n,
+                page,
+                write_layout,
+                slot_ids,
+                direct=direct,
+                copied=early is not None and early == page,
+            )
             step_id, preserves, others = self._effects.commit(ctx, step_job, slot_ids)
         except BaseException:
             with state.lock:
@@ -281,6 +311,11 @@ class SavePath:
             )
         return n, padded
 
+    def _copy_into_pages(self, parts: Classified, n: int, page: int) -> None:
+        """Copy every immediate key's rows of a CPU step into ``page``."""
+        for key, rows in parts.immediate.items():
+            self._copy_into_page(key, rows, page, n, non_blocking=False)
+
     def stage(
         self,
         parts: Classified,
@@ -288,8 +323,15 @@ class SavePath:
         page: int,
         layout: PrefixCacheWriteLayout,
         slot_ids: torch.Tensor,
+        *,
+        direct: bool = False,
+        copied: bool = False,
     ) -> tuple[StepContext, WriteJob | None]:
-        """Copy the step's rows into its page and take its clones and leftover snapshot."""
+        """Copy the step's rows into its page and take its clones and leftover snapshot.
+
+        ``direct``: a CPU step written straight from the caller's tensors (D27); ``copied``:
+        its immediate rows are in the page already (PAGE-7).
+        """
         state = self._state
         ctx = StepContext()
         ctx.n = n
@@ -303,14 +345,13 @@ class SavePath:
             or _has_cuda_tensor(parts.leftover)
         )
         hold: list[torch.Tensor] = []
-        direct: dict[TensorName, torch.Tensor] | None = None
-        if not state.cuda and parts.immediate:
-            nbytes = sum(t.numel() * t.element_size() for t in parts.immediate.values())
-            if writes_direct(state.threaded, nbytes):
-                direct = {}
-        with state.ranges("omni_cache.step_copy"):
+        direct_rows: dict[TensorName, torch.Tensor] | None = {} if direct else None
+        # One range per save: a step whose rows went into the page early had it then.
+        with state.ranges("omni_cache.step_copy") if not copied else contextlib.nullcontext():
             try:
-                ctx.deferred_rows = self._copy_step(parts, n, page, ctx, on_device, hold, direct)
+                ctx.deferred_rows = self._copy_step(
+                    parts, n, page, ctx, on_device, hold, direct_rows, copied
+                )
             except Exception as exc:
                 # D19: part of the save's transaction, which aborts and leaves no trace. A copy
                 # already launched must be over before the page goes back.
@@ -332,9 +373,9 @@ class SavePath:
                 freeze_event=ctx.freeze_event,
             )
             step_job.hold = hold
-            if direct is not None:
+            if direct_rows is not None:
                 # D27: the write takes the caller's rows; the consume reads the pool.
-                step_job.rows = direct
+                step_job.rows = direct_rows
                 ctx.slots = slot_ids.numpy()
                 ctx.own = {key: ReadRecord() for key in parts.immediate}
         return ctx, step_job
@@ -348,11 +389,13 @@ class SavePath:
         on_device: bool,
         hold: list[torch.Tensor],
         direct: dict[TensorName, torch.Tensor] | None = None,
+        copied: bool = False,
     ) -> dict[TensorName, torch.Tensor]:
         """Copy the immediate rows into the page; return the deferred clones (DEV-1).
 
         With ``direct`` (a CPU step written straight to the pool, D27) the immediate rows are
-        not copied: ``direct`` gets a ``(n, width)`` view of each key's rows instead.
+        not copied: ``direct`` gets a ``(n, width)`` view of each key's rows instead. With
+        ``copied`` (a CPU step, PAGE-7) they are in the page already.
         """
         state = self._state
         if on_device:
@@ -376,11 +419,11 @@ class SavePath:
             ctx.freeze_event = freeze
             hold.extend(immediate.values())
         else:
-            for key, rows in parts.immediate.items():
-                if direct is not None:
+            if direct is not None:
+                for key, rows in parts.immediate.items():
                     direct[key] = self._take_rows(key, rows, n)
-                else:
-                    self._copy_into_page(key, rows, page, n, non_blocking=False)
+            elif not copied:
+                self._copy_into_pages(parts, n, page)
             deferred = {k: v.detach().clone() for k, v in parts.deferred.items()}
             # A deferred key's leftover is the same rows as its clone: one copy serves both.
             # (The leftover is keyed by the names the model emits; cached keys are those names.)

@@ -1297,6 +1297,7 @@ proctype Engine() {
   byte ft;
   byte charge;
   byte p;
+  byte ph = 255;     /* PAGE-7: the page the save will claim, 255: none known */
   bool serr;
   bool idle;
 
@@ -1387,6 +1388,7 @@ proctype Engine() {
        /* save_outputs, 1: the save barrier (TASK-3) waits the previous
         * step's immediate write WRITTEN and the escalated deferred writes
         * HOST_READY; bounded (FAIL-3). */
+#define PFREE(x) (pg_step[x] == 0 && pg_task[x] == 0)
        ft = s_jns[K - 1];
 #ifdef BUG_BARRIER_HOST_READY
        /* Origin bug: the barrier waited host_ready only, so a reused slot
@@ -1423,6 +1425,9 @@ proctype Engine() {
                 printf("ACT barrier step=%d -> error=fatal\n", K); serr = 1
              :: else ->
                 CHECK(FAIL_1, !g_fail_pub);
+                /* PAGE-7: the save opens here (the replay's SaveBegin) and
+                 * learns the page it will claim: the lowest free one. */
+                ph = (PFREE(0) -> 0 : (PFREE(1) -> 1 : 255));
                 printf("ACT barrier step=%d -> ok\n", K)
              fi;
              esc = 0; s_jns[K - 1] = 0
@@ -1495,7 +1500,6 @@ proctype Engine() {
 
        /* save_outputs, 3: claim a page (PAGE-4: wait, or time out), then
         * the save itself under the lock (D6). */
-#define PFREE(x) (pg_step[x] == 0 && pg_task[x] == 0)
        if
        :: idle || serr -> skip
        :: else ->
@@ -1509,7 +1513,9 @@ proctype Engine() {
        :: idle || serr -> skip
        :: !idle && !serr && (PFREE(0) || PFREE(1)) ->
           tmo_fire = tmo_fire & ~1;
-          p = (PFREE(0) -> 0 : 1);
+          /* PAGE-7: the page known at the begin (only a save claims a
+           * page, so it is still free: PAGE_3 below), else the lowest. */
+          p = (ph != 255 -> ph : (PFREE(0) -> 0 : 1));
           ENTRY_DRAIN;
           if
           :: fatal ->
@@ -1673,7 +1679,7 @@ proctype Engine() {
           REACH(9);
           serr = 1
        fi;
-       p = 0; charge = 0;
+       p = 0; ph = 255; charge = 0;
 
        if
        :: serr ->

@@ -22,7 +22,15 @@ from typing import Any
 import pytest
 import torch
 
-from omni_cache_core import CopyLanded, CopyStarted, TensorName, Tid, WriteFailed, WriteLanded
+from omni_cache_core import (
+    HIDDEN_KEY,
+    CopyLanded,
+    CopyStarted,
+    TensorName,
+    Tid,
+    WriteFailed,
+    WriteLanded,
+)
 from omni_cache_cuda import (
     OmniPrefixCacheManager,
     StepAlreadyConsumedError,
@@ -193,6 +201,50 @@ def test_save_barrier_timeout_leaves_no_trace() -> None:
         assert retried.step_id == slow.step_id + 1
         engine.materialize(slow)
         engine.materialize(retried)
+
+
+def test_page_7_the_rows_are_in_the_page_before_the_save_waits_at_the_barrier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PAGE-7: a CPU save copies its rows into the page it will claim before it waits at the
+    save barrier for the previous step's write, and claims that page; the step reads them back."""
+    with make_manager(True) as manager:
+        state = manager._state
+        engine = Engine(manager)
+        engine.start("a", [0, 1, 2])
+        engine.materialize(engine.step({"a": 4}))
+        settle(manager)  # the held write must be the next one, and the keys have their pages
+        release = threading.Event()
+        manager._inject_write_fault(lambda job: release.wait(10))
+        late = engine.step({"a": 1})
+        late_page = state.steps[late.step_id].page
+        engine.materialize(late)  # its page is held by its write alone, until it is released
+        waiting = threading.Event()
+        seen: dict[str, Any] = {}
+        wait_for_signal = state.wait_for_signal
+
+        def at_the_barrier(seen_generation: int, deadline_ns: int) -> None:
+            if not waiting.is_set():
+                page = seen["page"] = state.core.save_page
+                seen["rows"] = state.pages.rows(HIDDEN_KEY, page, 1).clone()
+                waiting.set()
+            wait_for_signal(seen_generation, deadline_ns)
+
+        monkeypatch.setattr(state, "wait_for_signal", at_the_barrier)
+        engine.begin({"a": 1})
+        saver = threading.Thread(target=lambda: seen.setdefault("saved", engine.save()))
+        saver.start()
+        try:
+            assert waiting.wait(10), "the save did not wait at the barrier"
+        finally:
+            release.set()
+            saver.join(10)
+        assert not saver.is_alive()
+        saved = seen["saved"]
+        assert seen["page"] is not None and seen["page"] != late_page
+        assert state.steps[saved.step_id].page == seen["page"], "the save claimed another page"
+        assert torch.equal(seen["rows"], saved.rows[HIDDEN_KEY]), "the page missed the rows"
+        engine.materialize(saved)
 
 
 def test_racing_consumers_consume_once() -> None:

@@ -446,9 +446,10 @@ def test_machine_catches_a_write_that_reads_the_live_slot_ids(
         page: int,
         layout: PrefixCacheWriteLayout,
         slot_ids: torch.Tensor,
+        **kwargs: Any,
     ) -> Any:
         # STEP-3 broken on purpose: the write keeps the buffer the engine refills every step.
-        return stage(self, parts, n, page, layout, layout.slots_cpu)
+        return stage(self, parts, n, page, layout, layout.slots_cpu, **kwargs)
 
     monkeypatch.setattr(SavePath, "stage", live_slots)
     with pytest.raises(AssertionError, match="pool row of slot"):

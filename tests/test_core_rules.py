@@ -385,6 +385,38 @@ def test_page_3_a_page_stays_held_until_its_step_and_its_write_let_go(
     assert core.pages_in_use == 0
 
 
+def test_page_7_a_save_claims_the_page_that_was_free_at_its_begin(make_core: MakeCore) -> None:
+    """The save knows its page from its begin and claims it, though a lower one freed up while
+    it waited at the barrier; a save that found no page free claims the lowest freed (PAGE-7)."""
+    core = make_core(staging_depth=3)
+    start(core, started("a"))
+    assert core.save_page is None, "no save in progress"
+    first = save(core, [("a", blocks(0))], land_writes=False)
+    (write,) = step_writes(first)
+    assert write.page == 0
+    consume(core, first.step_id)  # page 0 is held by the write alone now
+    core.save_begin(save_input([("a", blocks(1))]))
+    assert core.save_page == 1, "page 0 is held by the write the barrier waits for"
+    assert isinstance(_proceed(core), AwaitTasks)
+    land(core, write.tid)
+    assert core.pages_in_use == 0, "page 0 is free again, and lower"
+    assert core.save_page == 1
+    assert _proceed(core) == PageClaimed(page=1)
+    core.save_commit(SaveCommit(now_ns=0))
+    assert core.save_page is None
+
+    # Every page held at the begin: no page is known until one frees up, the lowest one then.
+    full = make_core(staging_depth=2)
+    steps = [save(full, []).step_id for _ in range(2)]
+    full.save_begin(save_input([]))
+    assert full.save_page is None
+    assert isinstance(_proceed(full), AwaitPage)
+    consume(full, steps[1])
+    consume(full, steps[0])
+    assert _proceed(full) == PageClaimed(page=0)
+    assert full.save_page == 0
+
+
 def test_page_3_a_held_page_is_never_handed_out(make_core: MakeCore) -> None:
     """While the only page is held by an open step, a save waits instead of taking it (PAGE-3)."""
     core = make_core(staging_depth=1)
