@@ -165,9 +165,9 @@ class SavePath:
             ):
                 # PAGE-7: a CPU step's rows go into the page the save will claim before it
                 # waits at the barrier (TASK-3), so the committer ends the previous write
-                # meanwhile, while this thread copies without the GIL.
-                with state.ranges("omni_cache.step_copy"):
-                    self._copy_into_pages(parts, n, early)
+                # meanwhile, while this thread copies without the GIL. (No NVTX range: there
+                # are none on the CPU, and the step's range below still marks the save.)
+                self._copy_into_pages(parts, n, early)
             else:
                 early = None
             page = self._effects.proceed()
@@ -346,8 +346,7 @@ class SavePath:
         )
         hold: list[torch.Tensor] = []
         direct_rows: dict[TensorName, torch.Tensor] | None = {} if direct else None
-        # One range per save: a step whose rows went into the page early had it then.
-        with state.ranges("omni_cache.step_copy") if not copied else contextlib.nullcontext():
+        with state.ranges("omni_cache.step_copy"):
             try:
                 ctx.deferred_rows = self._copy_step(
                     parts, n, page, ctx, on_device, hold, direct_rows, copied
