@@ -439,7 +439,10 @@ class SavePath:
         """Copy one key's rows of the step into its page (the ``page_copy`` fault point)."""
         try:
             self._state.faults.fire("page_copy", key)
-            self._pages.rows(key, page, n).copy_(rows.reshape(n, -1), non_blocking=non_blocking)
+            # Rows are ``[:n]`` (`classify`); a 2-D tensor needs no reshape, a torch call that
+            # hands the GIL around.
+            source = rows if rows.dim() == 2 else rows.reshape(n, -1)
+            self._pages.rows(key, page, n).copy_(source, non_blocking=non_blocking)
         except Exception as exc:
             raise StagingCopyError(key=key, reason=f"{type(exc).__name__}: {exc}") from exc
 
