@@ -10,7 +10,8 @@ medians per step:
 - `manager start`: `new_step_starts`;
 - `glue save`: `VllmPrefixCache.save` less `save_outputs` (the decode layout and its checks);
 - `manager save`: `save_outputs`, and inside it:
-  - `landing copy`: the step's rows into the landing page (`SavePath._copy_step`);
+  - `landing copy`: the step's rows into the landing page (`SavePath._copy_into_pages`, before
+    the barrier since PAGE-7, and the rest of `SavePath._copy_step`);
   - `hand-off`: queueing the step's write for the committer thread (`Committer.submit`); its
     wall time is printed beside it;
   - `pool write`: the step's write run on the engine thread (`SavePath._write_now`: inline
