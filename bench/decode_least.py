@@ -27,9 +27,10 @@ and metrics. So its figure is a floor: a correct cache does at least this.
 
 It also leaves out the save barrier (TASK-3): its next save does not wait for the previous
 step's write to be in the pool, which the library's must (a reused slot must not leave a
-pending pool write behind). `least + barrier` is the same cache with that wait, a floor for a
-cache under this spec: with the writer on another vCPU the wait puts the engine thread to sleep
-whenever the write is late, and the thread pays for each sleep in wake-ups and cold caches.
+pending pool write behind). `least + barrier` is the same cache with that wait, after its
+landing copy as in the library's save (PAGE-7), a floor for a cache under this spec: with the
+writer on another vCPU the wait puts the engine thread to sleep whenever the write is late, and
+the thread pays for each sleep in wake-ups and cold caches.
 Beside each figure the script prints the engine thread's blocks per step: its voluntary context
 switches (waits for the barrier, a page or the GIL), counted by `getrusage` over the timed steps.
 
@@ -194,23 +195,11 @@ class LeastCache:
         self.row_start[self.rows] = starts
 
     def save(self, hidden: torch.Tensor, mm: torch.Tensor, order: list[str]) -> int:
-        """The step's rows into a landing page, its write handed to the writer; its page."""
-        if self.barrier:
-            t0 = time.thread_time_ns()
-            with self.cv:
-                while self.written < self.tid:
-                    self.cv.wait()
-            self.wait_ns = time.thread_time_ns() - t0
-        if order != self.order:
-            self.order_rows = np.array(operator.itemgetter(*order)(self.row_of), dtype=np.int64)
-            self.order = list(order)
-        rows = self.order_rows
-        starts = self.row_start[rows]
-        slots = self.table[rows, starts // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
-        slots += starts % BLOCK_SIZE
-        tid = self.tid = self.tid + 1
-        for owner in self.owner.values():
-            owner[slots] = tid
+        """The step's rows into a landing page, its write handed to the writer; its page.
+
+        The order of the library's save (PAGE-7): the rows into a free page, then the barrier,
+        then the slots and their marks, then the hand-off.
+        """
         with self.cv:
             while all(self.busy):
                 self.cv.wait()
@@ -222,10 +211,27 @@ class LeastCache:
         landing["hidden"][:n].copy_(hidden)
         landing[MM_KEY][:n].copy_(mm)
         t1 = time.thread_time_ns()
+        if self.barrier:
+            with self.cv:
+                while self.written < self.tid:
+                    self.cv.wait()
+        t2 = time.thread_time_ns()
+        if order != self.order:
+            self.order_rows = np.array(operator.itemgetter(*order)(self.row_of), dtype=np.int64)
+            self.order = list(order)
+        rows = self.order_rows
+        starts = self.row_start[rows]
+        slots = self.table[rows, starts // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
+        slots += starts % BLOCK_SIZE
+        tid = self.tid = self.tid + 1
+        for owner in self.owner.values():
+            owner[slots] = tid
+        t3 = time.thread_time_ns()
         with self.cv:
             self.queue.append((page, slots, n))
             self.cv.notify()
-        self.copy_ns, self.hand_off_ns = t1 - t0, time.thread_time_ns() - t1
+        self.copy_ns, self.hand_off_ns = t1 - t0, time.thread_time_ns() - t3
+        self.wait_ns = t2 - t1 if self.barrier else 0
         return page
 
     def consume(self, page: int, n: int) -> dict[str, torch.Tensor]:
