@@ -330,6 +330,9 @@ class StagingPages:
         self.faults = faults
         self.buffers: dict[TensorName, torch.Tensor] = {}
         self._byte_rows: dict[TensorName, np.ndarray] = {}
+        #: The last `rows` view of each key's page, with its row count: a decode step asks for
+        #: the same rows every step, and a torch slice costs a few microseconds.
+        self._views: dict[tuple[TensorName, int], tuple[int, torch.Tensor]] = {}
 
     def nbytes_for(self, shape: KeyShape) -> int:
         """Bytes an immediate key of this row shape takes: every page's rows (D20)."""
@@ -352,9 +355,14 @@ class StagingPages:
             self._byte_rows[key] = row_bytes(buffer)
 
     def rows(self, key: TensorName, page: int, n: int) -> torch.Tensor:
-        """The first ``n`` rows of one page of one key (a view)."""
+        """The first ``n`` rows of one page of one key (a view, the same one while ``n`` is)."""
+        last = self._views.get((key, page))
+        if last is not None and last[0] == n:
+            return last[1]
         start = page * self.capacity
-        return self.buffers[key][start : start + n]
+        view = self.buffers[key][start : start + n]
+        self._views[key, page] = (n, view)
+        return view
 
     def byte_rows(self, key: TensorName, page: int, n: int) -> np.ndarray:
         """`rows` as ``(n, row_bytes)`` uint8 numpy rows (a view, made without a torch call)."""
@@ -369,3 +377,4 @@ class StagingPages:
         """Drop every key's pages (shutdown); the memory goes once no reader holds it."""
         self.buffers = {}
         self._byte_rows = {}
+        self._views = {}

@@ -166,3 +166,24 @@ def test_shadowed_rows_from_whole_blocks_are_those_of_the_slots(repeat: bool) ->
     later = {int(slot): row for row, slot in enumerate(slots)}
     assert shadowed.tolist() == [row for row, slot in enumerate(slots) if later[slot] != row]
     assert bool(len(shadowed)) == repeat
+
+
+def test_page_rows_are_one_view_while_the_row_count_stays() -> None:
+    """`StagingPages.rows` hands the same view for the same page and count (a decode step asks
+    every step), a new one for another count, each over the right rows; none after release."""
+    pages = storage.StagingPages(3, 4, pin=False)
+    key = "k"
+    pages.install(key, torch.zeros(12, 2))
+    first = pages.rows(key, 1, 3)
+    assert pages.rows(key, 1, 3) is first
+    first.copy_(torch.arange(6.0).reshape(3, 2))
+    assert pages.buffers[key][4:7].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert (
+        pages.buffers[key][:4].count_nonzero() == 0 and pages.buffers[key][7:].count_nonzero() == 0
+    )
+    shorter = pages.rows(key, 1, 2)
+    assert shorter is not first and shorter.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    assert pages.rows(key, 2, 2).data_ptr() == pages.buffers[key][8:].data_ptr()
+    pages.release()
+    with pytest.raises(KeyError):
+        pages.rows(key, 1, 2)
