@@ -179,7 +179,7 @@ class SavePath:
                 write_layout,
                 slot_ids,
                 direct=direct,
-                copied=early is not None and early == page,
+                copied=early == page,
             )
             step_id, preserves, others = self._effects.commit(ctx, step_job, slot_ids)
         except BaseException:
