@@ -138,7 +138,8 @@ class WriteJob:
         #: (the CPU's one copy, D27): ``(n, width)`` views per key, else None (the page).
         self.rows: dict[TensorName, torch.Tensor] | None = None
         self.slots = slots  # a step write's slots (one per row)
-        self.n = 0 if slots is None else len(slots)
+        # shape, not len(): Tensor.__len__ is a Python function, a microsecond a call.
+        self.n = 0 if slots is None else slots.shape[0]
         self.d2h_event = d2h_event
         self.freeze_event = freeze_event
         self.chunks: list[Chunk] = []
