@@ -49,7 +49,13 @@ the threads the manager starts inherit that or are moved, so where each thread r
   2 ms after each step, as it would wait for a forward pass: the same calls on the same data,
   so what it adds to the parts is what the thread pays for having slept (its caches and its
   CPU's state are lost meanwhile on a shared virtual machine). The committer's write is done in
-  the pause, so nothing waits for it.
+  the pause, so nothing waits for it;
+- `two vCPUs, no pool write (diagnostic)`: `threaded, two vCPUs` with the committer thread's
+  pool write skipped. Not a configuration either: the thread still wakes, takes the GIL, runs
+  the job and reports, but it is done within microseconds of the hand-off instead of a hundred
+  or more. The difference to `threaded, two vCPUs` is what the write costs the engine thread
+  by lasting into its next step: the writer takes the GIL back at the engine thread's next
+  release of it (its landing copy, mostly) and the engine thread then waits for it there.
 
 Beside the parts, three whole-step figures: `wall` of `step_begin` + `save` (what the engine
 waits for), `blocks`, the engine thread's voluntary context switches in `step_begin` + `save`
@@ -103,6 +109,7 @@ TWO_VCPUS = "threaded, two vCPUs"
 ONE_VCPU = "threaded, one vCPU"
 INLINE = "inline"
 NO_HAND_OFF = "no hand-off (diagnostic)"
+NO_POOL_WRITE = "two vCPUs, no pool write (diagnostic)"
 NARROW = "no hand-off, narrow rows (diagnostic)"
 NARROW_WIDTH = 16
 PAUSED = "one vCPU, 2 ms pauses (diagnostic)"
@@ -200,6 +207,17 @@ def timed(parts: Parts) -> Iterator[None]:
 
 
 @contextmanager
+def no_pool_write() -> Iterator[None]:
+    """The diagnostic variant: the committer thread runs each job with its pool write skipped."""
+    write_pool = _committer.Committer._write_pool
+    _committer.Committer._write_pool = lambda self, job: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _committer.Committer._write_pool = write_pool  # type: ignore[method-assign]
+
+
+@contextmanager
 def no_hand_off() -> Iterator[None]:
     """The diagnostic variant: a step's write job runs at once on this thread, pool write skipped."""
     submit, write_pool = _committer.Committer.submit, _committer.Committer._write_pool
@@ -224,7 +242,7 @@ def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -
         VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue,
     ):
         committer = glue.manager._state.committer._thread
-        if variant == TWO_VCPUS and committer is not None:
+        if variant in (TWO_VCPUS, NO_POOL_WRITE) and committer is not None:
             to_second_cpu(committer, cpus)
         _steps(glue, parts, setup, steps, warmup, variant, hidden, mm)
     return parts
@@ -258,7 +276,13 @@ def _steps(
     mm: torch.Tensor,
 ) -> None:
     """Run the setup and the timed steps of one round, adding each step's parts to ``parts``."""
-    hand_off = no_hand_off() if variant in (NO_HAND_OFF, NARROW) else nullcontext()
+    hand_off = (
+        no_hand_off()
+        if variant in (NO_HAND_OFF, NARROW)
+        else no_pool_write()
+        if variant == NO_POOL_WRITE
+        else nullcontext()
+    )
     with hand_off, timed(parts):
         for i, step in enumerate(setup + steps):
             n = step.rows
@@ -301,6 +325,7 @@ def main() -> None:
         INLINE,
         NO_HAND_OFF,
         NARROW,
+        *((NO_POOL_WRITE,) if two else ()),
     )
     rounds: dict[str, list[Parts]] = {v: [] for v in variants}
     for _ in range(args.rounds):
@@ -356,7 +381,7 @@ def main() -> None:
         )
         spread = ", ".join(f"{p.median_us('total'):.0f}" for p in rounds[variant])
         print(f"{variant:<38}" + "".join(f"{figures[c]:>14.1f}" for c in columns) + f"   {spread}")
-        if variant in (TWO_VCPUS, ONE_VCPU, PAUSED):
+        if variant in (TWO_VCPUS, ONE_VCPU, PAUSED, NO_POOL_WRITE):
             print(
                 f"{'':<38}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
                 f"{best.waits} of {len(best.samples['total'])} steps; the committer's write "
