@@ -21,7 +21,7 @@ medians per step:
   - `core`: `CacheCore.save_begin`, `save_proceed` and `save_commit`;
   - `rest`: the adapter's own checks, contexts and bookkeeping (the difference).
 
-Five variants run in alternating rounds (each a fresh manager, order of rows kept from step to
+Seven variants run in alternating rounds (each a fresh manager, order of rows kept from step to
 step as vLLM's input batch keeps it; materialize right after each save on the same thread, timed
 apart, as in `vllm_glue.py`). The engine thread is pinned to the first CPU in every variant, and
 the threads the manager starts inherit that or are moved, so where each thread runs is fixed:
