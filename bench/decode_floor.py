@@ -220,14 +220,13 @@ def no_pool_write() -> Iterator[None]:
 @contextmanager
 def no_hand_off() -> Iterator[None]:
     """The diagnostic variant: a step's write job runs at once on this thread, pool write skipped."""
-    submit, write_pool = _committer.Committer.submit, _committer.Committer._write_pool
+    submit = _committer.Committer.submit
     _committer.Committer.submit = _committer.Committer.run_now  # type: ignore[method-assign]
-    _committer.Committer._write_pool = lambda self, job: None  # type: ignore[method-assign]
     try:
-        yield
+        with no_pool_write():
+            yield
     finally:
         _committer.Committer.submit = submit  # type: ignore[method-assign]
-        _committer.Committer._write_pool = write_pool  # type: ignore[method-assign]
 
 
 def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -> Parts:
@@ -276,14 +275,8 @@ def _steps(
     mm: torch.Tensor,
 ) -> None:
     """Run the setup and the timed steps of one round, adding each step's parts to ``parts``."""
-    hand_off = (
-        no_hand_off()
-        if variant in (NO_HAND_OFF, NARROW)
-        else no_pool_write()
-        if variant == NO_POOL_WRITE
-        else nullcontext()
-    )
-    with hand_off, timed(parts):
+    hand_off = {NO_HAND_OFF: no_hand_off, NARROW: no_hand_off, NO_POOL_WRITE: no_pool_write}
+    with hand_off.get(variant, nullcontext)(), timed(parts):
         for i, step in enumerate(setup + steps):
             n = step.rows
             b0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
