@@ -325,6 +325,44 @@ def test_a_decode_save_refuses_an_order_that_is_not_its_requests_each_once(
         )
 
 
+def test_the_schedulers_own_order_is_answered_from_a_copy_taken_at_translation() -> None:
+    """A runner's order equal to the scheduler's list of the step gets the step's own rows and
+    starts after one compare. The compare is with a copy taken when the step was translated: a
+    list the engine reorders afterwards is checked row by row like any other order, and a
+    tuple of the same ids too; all give the general path's slots."""
+    state = TranslationState(kv_group=0, max_concurrent_batches=1)
+    ids = ["a", "b", "c"]
+    first = output(
+        {r: 5 for r in ids},
+        [(r, [3 * i, 3 * i + 1], 0) for i, r in enumerate(ids)],
+        [],
+        set(),
+        set(),
+        set(),
+    )
+    state.commit(state.translate(first), dict.fromkeys(ids, 5))
+    so = output(dict.fromkeys(ids, 1), [], [(r, None, 5) for r in ids], set(), set(), set())
+    scheduler_list = so.scheduled_cached_reqs.req_ids
+    step = state.translate(so)
+    state.commit(step, step.scheduled)
+    assert step.decode is not None
+    rows, starts, kept = step.decode
+    assert kept == ids and kept is not scheduler_list
+    found = state.decode_rows(list(ids), step.decode)
+    assert found is not None and found[0] is rows and found[1] is starts
+    scheduler_list.reverse()  # the engine reuses its list: the copy still says a, b, c
+    assert step.decode[2] == ids
+    for order in (scheduler_list, tuple(ids)):
+        found = state.decode_rows(order, step.decode)  # type: ignore[arg-type]
+        assert found is not None and found[0] is not rows
+        fast = decode_layout_from_rows(order, *found, state.table, BS)
+        general = PrefixCacheWriteLayout.from_block_tables(
+            list(order), step.scheduled, step.starts, state.running, BS
+        )
+        assert fast is not None and torch.equal(fast.slots_cpu, general.slots_cpu)
+        assert fast.slots_cpu.tolist() == [state.running[r][5 // BS] * BS + 5 % BS for r in order]
+
+
 def test_a_stray_cached_id_in_a_decode_step_is_named_and_the_open_step_kept() -> None:
     """A cached id the cache does not track as running (never seen, or finishing in the same
     step) is refused by name as before, with nothing changed; the decode step still open

@@ -87,8 +87,8 @@ class StepTranslation:
             requests' entries merged in on first read: a decode step's layout reads arrays).
         decode: In a decode step (no request joins, the scheduled requests are exactly the
             cached ones, each once with one token, none has drafts), the requests' table rows
-            and starts as arrays, in the scheduler's order, for `TranslationState.decode_rows`;
-            else None.
+            and starts as arrays and a private copy of their ids, all in the scheduler's order,
+            for `TranslationState.decode_rows`; else None.
         drafts: Requests with draft tokens in this step and how many (the last of their
             scheduled tokens: SPEC-1).
         computed: Computed-token counts of the requests whose earlier drafts this step
@@ -124,7 +124,7 @@ class StepTranslation:
         self._starts: dict[str, int] = {}
         #: The cached requests' ids and starts, parallel, merged into ``starts`` when read.
         self._cached_starts: tuple[Sequence[str], Sequence[int]] | None = None
-        self.decode: tuple[np.ndarray, np.ndarray] | None = None
+        self.decode: tuple[np.ndarray, np.ndarray, Sequence[str]] | None = None
         self.drafts: dict[str, int] = {}
         self.computed: dict[str, int] = {}
         self.resumed = 0
@@ -455,7 +455,8 @@ class TranslationState:
                 if added is not None and req_id not in step.joining:
                     step.extending.append((req_id, self._group_blocks(req_id, added)))
         # Merged into the step's starts when read (copied: the caller's lists may change).
-        step._cached_starts = (list(req_ids), list(cached.computed))
+        ids = list(req_ids) if step.decode is None else step.decode[2]
+        step._cached_starts = (ids, list(cached.computed))
         if self.unconfirmed:
             # SPEC-2: vLLM lowered these counts by the rejected drafts of the last step.
             running = cached.req_id_set.difference(cached.resumed_ids)
@@ -502,7 +503,9 @@ class TranslationState:
         except (KeyError, TypeError, ValueError, OverflowError):
             return True
         if not np.count_nonzero(starts < 0):
-            step.decode = (rows, starts)
+            # rows_of kept a copy of a list (the caller's list may change before the save).
+            ids = self._memo["cached"][0] if type(req_ids) is list else tuple(req_ids)
+            step.decode = (rows, starts, ids)
         return True
 
     def rows_of(self, req_ids: Sequence[str], memo: str, *, distinct: bool) -> np.ndarray | None:
@@ -540,18 +543,23 @@ class TranslationState:
         return rows
 
     def decode_rows(
-        self, order: Sequence[str], decode: tuple[np.ndarray, np.ndarray]
+        self, order: Sequence[str], decode: tuple[np.ndarray, np.ndarray, Sequence[str]]
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The table rows and starts of a decode step's requests in the runner's ``order``.
 
-        ``decode`` is the step's `StepTranslation.decode`: its requests' distinct rows and
-        their starts. Not None proves ``order`` is those requests, each once: as many ids,
-        each with a row, and together they mark every one of the step's rows. None when
-        ``order`` is not that (or the table went off): the general path then decides.
+        ``decode`` is the step's `StepTranslation.decode`: its requests' distinct rows, their
+        starts and their ids. Not None proves ``order`` is those requests, each once: the same
+        ids in the same order, or as many ids, each with a row, that together mark every one of
+        the step's rows. None when ``order`` is not that (or the table went off): the general
+        path then decides.
         """
-        step_rows, step_starts = decode
+        step_rows, step_starts, step_ids = decode
         if isinstance(order, str) or len(order) != len(step_rows) or not self.table_ok:
             return None
+        if type(order) is type(step_ids) and order == step_ids:
+            # The runner kept the scheduler's order (a steady decode batch): one compare, and
+            # the step's own rows and starts are the answer.
+            return step_rows, step_starts
         rows = self.rows_of(order, "order", distinct=False)
         if rows is None:
             return None
