@@ -88,9 +88,13 @@ class PrefixCacheWriteLayout:
             from row 0, or ``slots_cpu`` is not a 1-D int64 CPU tensor. Nothing is built.
     """
 
-    __slots__ = ("_writes", "bounds", "req_ids", "slots_cpu")
+    __slots__ = ("_private_slots", "_writes", "bounds", "req_ids", "slots_cpu")
 
     _writes: tuple[PrefixCacheWrite, ...] | None
+    #: ``slots_cpu`` as the array it views, when nothing outside the library holds either (a
+    #: layout the vLLM glue builds for its own save): the save keeps it without the private
+    #: copy STEP-3 takes of a caller's buffer. None for every layout a caller can reach.
+    _private_slots: np.ndarray | None
     slots_cpu: torch.Tensor
     req_ids: tuple[str, ...]
     bounds: tuple[int, ...]
@@ -101,18 +105,28 @@ class PrefixCacheWriteLayout:
         _check_slots(slots_cpu)
         _set = object.__setattr__
         _set(self, "_writes", entries)
+        _set(self, "_private_slots", None)
         _set(self, "slots_cpu", slots_cpu)
         _set(self, "req_ids", tuple(w.req_id for w in entries))
         _set(self, "bounds", (0, *(w.row_end for w in entries)))
 
     @classmethod
     def _from_bounds(
-        cls, req_ids: tuple[str, ...], bounds: tuple[int, ...], slots_cpu: torch.Tensor
+        cls,
+        req_ids: tuple[str, ...],
+        bounds: tuple[int, ...],
+        slots_cpu: torch.Tensor,
+        private_slots: np.ndarray | None = None,
     ) -> PrefixCacheWriteLayout:
-        """Build from ids and row bounds already known to be consistent (no entry objects)."""
+        """Build from ids and row bounds already known to be consistent (no entry objects).
+
+        ``private_slots``: the array ``slots_cpu`` views, when the layout will reach no caller
+        (`_private_slots`).
+        """
         self = object.__new__(cls)
         _set = object.__setattr__
         _set(self, "_writes", None)
+        _set(self, "_private_slots", private_slots)
         _set(self, "slots_cpu", slots_cpu)
         _set(self, "req_ids", req_ids)
         _set(self, "bounds", bounds)
@@ -283,6 +297,8 @@ def decode_layout_from_rows(
     starts: np.ndarray,
     table: np.ndarray,
     block_size: int,
+    *,
+    private: bool = False,
 ) -> PrefixCacheWriteLayout | None:
     """A decode step's layout from its requests' table rows and starts; None if out of blocks.
 
@@ -291,6 +307,8 @@ def decode_layout_from_rows(
     that ``order`` is the step's requests, each once. The layout is the one
     `PrefixCacheWriteLayout.from_block_tables` builds from the same lists; None when a position
     falls outside its request's blocks (a -1 or past the table), where that one names it.
+    ``private``: the layout goes to the caller's own save and no further, so the save may keep
+    its slot array (`PrefixCacheWriteLayout._private_slots`).
     """
     if block_size & (block_size - 1):
         columns, offsets = np.divmod(starts, block_size)
@@ -301,13 +319,14 @@ def decode_layout_from_rows(
         blocks = table[rows, columns]
     except IndexError:
         return None
-    if np.count_nonzero(blocks < 0):
-        return None
     slots = np.multiply(blocks, block_size, dtype=np.int64)
     slots += offsets
+    # An entry of -1 (no block there) gives -block_size plus an offset below block_size: < 0.
+    if slots.min() < 0:
+        return None
     req_ids = order if isinstance(order, tuple) else tuple(order)
     return PrefixCacheWriteLayout._from_bounds(
-        req_ids, _unit_bounds(len(req_ids)), torch.from_numpy(slots)
+        req_ids, _unit_bounds(len(req_ids)), torch.from_numpy(slots), slots if private else None
     )
 
 

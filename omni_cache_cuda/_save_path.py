@@ -123,9 +123,14 @@ class SavePath:
         n_requests = len(req_ids)
         bounds = self._bounds_array(write_layout.bounds, n_requests)
         # STEP-3: engines refill one slot-mapping buffer every step, while this step's writes
-        # and reads are still pending; the tables and the writes keep a private copy.
-        slots = write_layout.slots_cpu.numpy().copy() if n else np.zeros(0, dtype=np.int64)
-        slot_ids = torch.from_numpy(slots)
+        # and reads are still pending; the tables and the writes keep a private copy, unless
+        # the layout's array is private already (built by the vLLM glue for this save).
+        slots = write_layout._private_slots
+        if slots is not None:
+            slot_ids = write_layout.slots_cpu
+        else:
+            slots = write_layout.slots_cpu.numpy().copy() if n else np.zeros(0, dtype=np.int64)
+            slot_ids = torch.from_numpy(slots)
         deferred_bytes = sum(t.numel() * t.element_size() for t in parts.deferred.values())
         immediate_bytes = (
             sum(t.numel() * t.element_size() for t in parts.immediate.values() if t.is_cuda)

@@ -9,6 +9,7 @@ the two layouts must be the same slots (the write layout of SPEC section 3: one 
 
 from __future__ import annotations
 
+import pickle
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -361,6 +362,48 @@ def test_the_schedulers_own_order_is_answered_from_a_copy_taken_at_translation()
         )
         assert fast is not None and torch.equal(fast.slots_cpu, general.slots_cpu)
         assert fast.slots_cpu.tolist() == [state.running[r][5 // BS] * BS + 5 % BS for r in order]
+
+
+def test_only_the_glues_own_save_keeps_a_decode_layouts_slot_array(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The save keeps the slot array of a layout only the glue's own save sees, without its
+    private copy; a layout a caller can reach (`VllmPrefixCache.layout`, any layout built
+    without ``private``, a copy of one) has none, so its save copies it as every caller's
+    buffer is copied. The rows saved through the kept array are the rows handed out."""
+    built: list[PrefixCacheWriteLayout | None] = []
+
+    def spy(*args: Any, **kwargs: Any) -> PrefixCacheWriteLayout | None:
+        layout = decode_layout_from_rows(*args, **kwargs)
+        built.append(layout)
+        return layout
+
+    monkeypatch.setattr("omni_cache_cuda.vllm._glue.decode_layout_from_rows", spy)
+    with decode_cache() as cache:
+        order = ["d", "b", "a", "c"]
+        inspected = cache.layout(order)
+        assert built[-1] is inspected and inspected._private_slots is None
+        copy = pickle.loads(pickle.dumps(inspected))
+        assert copy._private_slots is None
+        core = cache.manager._state.core
+        begins: list[Any] = []
+        save_begin = core.save_begin
+        monkeypatch.setattr(core, "save_begin", lambda b: (begins.append(b), save_begin(b))[1])
+        step_id = cache.save(
+            torch.arange(8.0).reshape(4, 2), None, req_ids=order, num_tokens_unpadded=4
+        )
+        own = built[-1]
+        assert own is not None and own is not inspected and own._private_slots is not None
+        assert np.shares_memory(own._private_slots, own.slots_cpu.numpy())
+        assert begins[-1].slots is own._private_slots  # kept, not copied
+        assert own.slots_cpu.tolist() == inspected.slots_cpu.tolist()
+        out = cache.materialize(step_id, order)
+        assert [out.hidden_states[r].tolist() for r in order] == [
+            [[0.0, 1.0]],
+            [[2.0, 3.0]],
+            [[4.0, 5.0]],
+            [[6.0, 7.0]],
+        ]
 
 
 def test_a_stray_cached_id_in_a_decode_step_is_named_and_the_open_step_kept() -> None:

@@ -511,7 +511,11 @@ class VllmPrefixCache:
         """
         open_step = self._current_step("save")
         # A decode step's layout proves on its way that req_ids are the scheduled requests.
-        layout = None if open_step.decode is None else self._decode_layout(open_step, req_ids)
+        layout = (
+            None
+            if open_step.decode is None
+            else self._decode_layout(open_step, req_ids, private=True)
+        )
         if layout is None:
             sched = open_step.scheduled
             if (
@@ -553,13 +557,14 @@ class VllmPrefixCache:
         return self._general_layout(step, req_ids) if layout is None else layout
 
     def _decode_layout(
-        self, step: _OpenStep, req_ids: Sequence[str]
+        self, step: _OpenStep, req_ids: Sequence[str], *, private: bool = False
     ) -> PrefixCacheWriteLayout | None:
         """A decode step's layout, when ``req_ids`` are its requests each once; else None.
 
-        The runner's order is looked up once (its table rows); marking those rows must mark
-        every row of the step's requests, and their starts and blocks come from arrays
-        (`TranslationState.decode_rows`). None: the general path checks and builds.
+        The runner's order is the scheduler's, or it is looked up once (its table rows) and
+        marking those rows must mark every row of the step's requests; their starts and blocks
+        come from arrays (`TranslationState.decode_rows`). None: the general path checks and
+        builds. ``private``: the layout is for this object's own save, which keeps its slots.
         """
         if step.decode is None:
             return None
@@ -567,7 +572,9 @@ class VllmPrefixCache:
         found = translation.decode_rows(req_ids, step.decode)
         if found is None:
             return None
-        return decode_layout_from_rows(req_ids, *found, translation.table, self.block_size)
+        return decode_layout_from_rows(
+            req_ids, *found, translation.table, self.block_size, private=private
+        )
 
     def _general_layout(self, step: _OpenStep, req_ids: Sequence[str]) -> PrefixCacheWriteLayout:
         """The layout from the step's mappings: any step, and the errors that name the cause."""
