@@ -21,7 +21,7 @@ medians per step:
   - `core`: `CacheCore.save_begin`, `save_proceed` and `save_commit`;
   - `rest`: the adapter's own checks, contexts and bookkeeping (the difference).
 
-Seven variants run in alternating rounds (each a fresh manager, order of rows kept from step to
+Eight variants run in alternating rounds (each a fresh manager, order of rows kept from step to
 step as vLLM's input batch keeps it; materialize right after each save on the same thread, timed
 apart, as in `vllm_glue.py`). The engine thread is pinned to the first CPU in every variant, and
 the threads the manager starts inherit that or are moved, so where each thread runs is fixed:
@@ -55,7 +55,13 @@ the threads the manager starts inherit that or are moved, so where each thread r
   the job and reports, but it is done within microseconds of the hand-off instead of a hundred
   or more. The difference to `threaded, two vCPUs` is what the write costs the engine thread
   by lasting into its next step: the writer takes the GIL back at the engine thread's next
-  release of it (its landing copy, mostly) and the engine thread then waits for it there.
+  release of it (its landing copy, mostly) and the engine thread then waits for it there;
+- `two vCPUs, hash, no write (diagnostic)`: the same, but in place of its pool write
+  the committer hashes a 256 KiB buffer that stays in its caches (`hashlib`, which gives the GIL
+  up while it works, as numpy does while it copies): about as long as the write, with no memory
+  traffic. Between the row above and `threaded, two vCPUs`, it splits what the write costs the
+  engine thread into what any work of that length on the other vCPU costs it and what the
+  write's stores into cold memory add.
 
 Beside the parts, three whole-step figures: `wall` of `step_begin` + `save` (what the engine
 waits for), `blocks`, the engine thread's voluntary context switches in `step_begin` + `save`
@@ -81,6 +87,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import hashlib
 import os
 import random
 import resource
@@ -114,6 +121,7 @@ NARROW = "no hand-off, narrow rows (diagnostic)"
 NARROW_WIDTH = 16
 PAUSED = "one vCPU, 2 ms pauses (diagnostic)"
 PAUSE_S = 2e-3
+COMPUTE = "two vCPUs, hash, no write (diagnostic)"
 
 #: (owner, attribute, part name): the functions timed; a part's figure is its inclusive time.
 _TIMED: tuple[tuple[Any, str, str], ...] = (
@@ -218,6 +226,35 @@ def no_pool_write() -> Iterator[None]:
 
 
 @contextmanager
+def compute_for_pool_write() -> Iterator[None]:
+    """The diagnostic variant: the committer hashes cache-resident bytes instead of its write."""
+    write_pool = _committer.Committer._write_pool
+
+    def compute(self: _committer.Committer, job: _committer.WriteJob) -> None:
+        hashlib.sha256(_COMPUTE)
+
+    _committer.Committer._write_pool = compute  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _committer.Committer._write_pool = write_pool  # type: ignore[method-assign]
+
+
+#: What `compute_for_pool_write` hashes: about as long as a step's write (the script prints it).
+_COMPUTE = bytes(range(256)) * 1024
+
+
+def _compute_us() -> float:
+    """The median time of one `compute_for_pool_write` hash on this thread, in us."""
+    times = []
+    for _ in range(50):
+        t0 = time.thread_time_ns()
+        hashlib.sha256(_COMPUTE)
+        times.append(time.thread_time_ns() - t0)
+    return statistics.median(times) / 1e3
+
+
+@contextmanager
 def no_hand_off() -> Iterator[None]:
     """The diagnostic variant: a step's write job runs at once on this thread, pool write skipped."""
     submit = _committer.Committer.submit
@@ -241,7 +278,7 @@ def run_round(setup: list[Step], steps: list[Step], warmup: int, variant: str) -
         VllmPrefixCache(make_manager(threaded), block_size=BLOCK_SIZE) as glue,
     ):
         committer = glue.manager._state.committer._thread
-        if variant in (TWO_VCPUS, NO_POOL_WRITE) and committer is not None:
+        if variant in (TWO_VCPUS, NO_POOL_WRITE, COMPUTE) and committer is not None:
             to_second_cpu(committer, cpus)
         _steps(glue, parts, setup, steps, warmup, variant, hidden, mm)
     return parts
@@ -275,7 +312,12 @@ def _steps(
     mm: torch.Tensor,
 ) -> None:
     """Run the setup and the timed steps of one round, adding each step's parts to ``parts``."""
-    hand_off = {NO_HAND_OFF: no_hand_off, NARROW: no_hand_off, NO_POOL_WRITE: no_pool_write}
+    hand_off = {
+        NO_HAND_OFF: no_hand_off,
+        NARROW: no_hand_off,
+        NO_POOL_WRITE: no_pool_write,
+        COMPUTE: compute_for_pool_write,
+    }
     with hand_off.get(variant, nullcontext)(), timed(parts):
         for i, step in enumerate(setup + steps):
             n = step.rows
@@ -318,7 +360,7 @@ def main() -> None:
         INLINE,
         NO_HAND_OFF,
         NARROW,
-        *((NO_POOL_WRITE,) if two else ()),
+        *((NO_POOL_WRITE, COMPUTE) if two else ()),
     )
     rounds: dict[str, list[Parts]] = {v: [] for v in variants}
     for _ in range(args.rounds):
@@ -374,7 +416,9 @@ def main() -> None:
         )
         spread = ", ".join(f"{p.median_us('total'):.0f}" for p in rounds[variant])
         print(f"{variant:<38}" + "".join(f"{figures[c]:>14.1f}" for c in columns) + f"   {spread}")
-        if variant in (TWO_VCPUS, ONE_VCPU, PAUSED, NO_POOL_WRITE):
+        if variant == COMPUTE:
+            print(f"{'':<38}its hash in place of the write: {_compute_us():.1f} us of CPU")
+        if variant in (TWO_VCPUS, ONE_VCPU, PAUSED, NO_POOL_WRITE, COMPUTE):
             print(
                 f"{'':<38}hand-off wall {m('hand-off wall'):.1f} us; barrier waits in "
                 f"{best.waits} of {len(best.samples['total'])} steps; the committer's write "
