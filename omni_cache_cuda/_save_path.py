@@ -131,11 +131,9 @@ class SavePath:
         else:
             slots = write_layout.slots_cpu.numpy().copy() if n else np.zeros(0, dtype=np.int64)
             slot_ids = torch.from_numpy(slots)
-        deferred_bytes = sum(t.numel() * t.element_size() for t in parts.deferred.values())
+        deferred_bytes = sum(t.nbytes for t in parts.deferred.values()) if parts.deferred else 0
         immediate_bytes = (
-            sum(t.numel() * t.element_size() for t in parts.immediate.values() if t.is_cuda)
-            if state.cuda
-            else 0
+            sum(t.nbytes for t in parts.immediate.values() if t.is_cuda) if state.cuda else 0
         )
         begin = SaveBegin(
             now_ns=time.monotonic_ns(),
@@ -153,9 +151,7 @@ class SavePath:
         direct = (
             not state.cuda
             and bool(parts.immediate)
-            and writes_direct(
-                state.threaded, sum(t.numel() * t.element_size() for t in parts.immediate.values())
-            )
+            and writes_direct(state.threaded, sum(t.nbytes for t in parts.immediate.values()))
         )
         with state.lock:
             state.drain()

@@ -501,6 +501,7 @@ def test_step_copies_scheduled_tokens() -> None:
     ("bad", "req_id"),
     [
         ({"a": 1, "b": -2}, "b"),
+        ({"a": 1, "b": -1, "c": 3}, "b"),  # they sum to their number, as a decode step's do
         ({"a": 1.5}, "a"),
         ({"a": 1, "b": 2.0}, "b"),
         ({"a": np.int64(3)}, "a"),

@@ -502,7 +502,7 @@ class TranslationState:
             starts = np.fromiter(cached.computed, dtype=np.int64, count=n)
         except (KeyError, TypeError, ValueError, OverflowError):
             return True
-        if not np.count_nonzero(starts < 0):
+        if starts.min() >= 0:
             # rows_of kept a copy of a list (the caller's list may change before the save).
             ids = self._memo["cached"][0] if type(req_ids) is list else tuple(req_ids)
             step.decode = (rows, starts, ids)
