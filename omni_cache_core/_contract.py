@@ -508,3 +508,20 @@ class PrefixCacheStep:
     computed_tokens: Mapping[str, int] = field(
         factory=dict, converter=_scheduled_tokens, validator=_scheduled_map
     )
+
+    @classmethod
+    def _of_checked_counts(cls, scheduled_tokens: Mapping[str, int]) -> PrefixCacheStep:
+        """A step without records or computed counts, whose scheduled counts the caller checked.
+
+        The caller guarantees what the validator would check: every id a str and every count
+        an int >= 0. The vLLM glue's decode step has proved it on its way (its ids are the
+        running requests', its counts ints equal to 1), and the validator's passes over
+        hundreds of entries would cost more than the rest of the step's records. The counts
+        are copied, as the constructor copies them.
+        """
+        step = object.__new__(cls)
+        _set = object.__setattr__
+        _set(step, "events", ())
+        _set(step, "scheduled_tokens", dict(scheduled_tokens))
+        _set(step, "computed_tokens", {})
+        return step

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from omni_cache_core import BadInputError
+from omni_cache_core import BadInputError, PrefixCacheStep, RequestEventError
 from omni_cache_cuda import OmniPrefixCacheManager, PrefixCacheConfig, PrefixCacheWriteLayout
 from omni_cache_cuda._layout import decode_layout_from_rows, decode_layout_from_table
 from omni_cache_cuda.vllm import VllmPrefixCache
@@ -404,6 +404,50 @@ def test_only_the_glues_own_save_keeps_a_decode_layouts_slot_array(
             [[4.0, 5.0]],
             [[6.0, 7.0]],
         ]
+
+
+@pytest.mark.parametrize("count", [1, 1.0, np.int64(1)])
+def test_a_decode_steps_record_skips_the_count_check_only_for_int_ones(
+    monkeypatch: pytest.MonkeyPatch, count: Any
+) -> None:
+    """A decode step whose counts are int ones gets its record without the validator's passes
+    (its translation proved them), as a private copy with the same counts; counts that equal
+    1 without being ints go through the validator, which refuses them by name, and nothing
+    changes."""
+    built: list[PrefixCacheStep] = []
+    unchecked = PrefixCacheStep._of_checked_counts.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: type[PrefixCacheStep], counts: Any) -> PrefixCacheStep:
+        built.append(unchecked(cls, counts))
+        return built[-1]
+
+    monkeypatch.setattr(PrefixCacheStep, "_of_checked_counts", classmethod(spy))
+    with decode_cache() as cache:
+        cache.discard_step(
+            cache.save(torch.zeros(4, 2), None, req_ids=list("abcd"), num_tokens_unpadded=4)
+        )
+        built.clear()
+        so = output(
+            dict.fromkeys("abcd", 1), [], [(r, None, 4) for r in "abcd"], set(), set(), set()
+        )
+        so.num_scheduled_tokens = dict.fromkeys("abcd", count)
+        if type(count) is not int:
+            running = {r: list(b) for r, b in cache._translation.running.items()}
+            with pytest.raises(RequestEventError, match="scheduled_tokens"):
+                cache.step_begin(so)
+            assert not built and cache._open_step is None
+            assert cache._translation.running == running
+            return
+        cache.step_begin(so)
+        assert len(built) == 1
+        step = built[0]
+        assert step.scheduled_tokens == dict.fromkeys("abcd", 1) and not step.events
+        assert step.scheduled_tokens is not so.num_scheduled_tokens
+        so.num_scheduled_tokens["a"] = 7  # the engine's dict changes; the record does not
+        assert step.scheduled_tokens["a"] == 1
+        cache.discard_step(
+            cache.save(torch.zeros(4, 2), None, req_ids=list("abcd"), num_tokens_unpadded=4)
+        )
 
 
 def test_a_stray_cached_id_in_a_decode_step_is_named_and_the_open_step_kept() -> None:

@@ -446,11 +446,15 @@ class VllmPrefixCache:
         On any error nothing changed: the cache and this object's tracking are as before.
         """
         translated = self._translation.translate(scheduler_output)
-        step = PrefixCacheStep(
-            events=translated.events,
-            scheduled_tokens=translated.scheduled,
-            computed_tokens=translated.computed,
-        )
+        if translated.decode is not None and not translated.events and not translated.computed:
+            # A decode step's translation proved its ids running and its counts int ones.
+            step = PrefixCacheStep._of_checked_counts(translated.scheduled)
+        else:
+            step = PrefixCacheStep(
+                events=translated.events,
+                scheduled_tokens=translated.scheduled,
+                computed_tokens=translated.computed,
+            )
         self.manager.new_step_starts(step)
         # The cache took the records: the translation state follows them. The step's own copy
         # of the scheduled counts is what its save and the reuse check read.

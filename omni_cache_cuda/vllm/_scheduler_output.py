@@ -86,7 +86,8 @@ class StepTranslation:
         starts: Where each scheduled request's tokens of this step start (a dict, the cached
             requests' entries merged in on first read: a decode step's layout reads arrays).
         decode: In a decode step (no request joins, the scheduled requests are exactly the
-            cached ones, each once with one token, none has drafts), the requests' table rows
+            cached ones, each once with one token counted by an int, none has drafts), the
+            requests' table rows
             and starts as arrays and a private copy of their ids, all in the scheduler's order,
             for `TranslationState.decode_rows`; else None.
         drafts: Requests with draft tokens in this step and how many (the last of their
@@ -497,7 +498,9 @@ class TranslationState:
                 ones = operator.countOf(sched.values(), 1)
             else:
                 ones = operator.itemgetter(*req_ids)(sched).count(1)
-            if ones != n:
+            # Counts equal to 1 whose sum is an int are ints (a float, a numpy integer or any
+            # other number would make the sum one): the step's record needs no other check.
+            if ones != n or type(sum(sched.values())) is not int:
                 return True
             starts = np.fromiter(cached.computed, dtype=np.int64, count=n)
         except (KeyError, TypeError, ValueError, OverflowError):
