@@ -364,6 +364,51 @@ def test_the_schedulers_own_order_is_answered_from_a_copy_taken_at_translation()
         assert fast.slots_cpu.tolist() == [state.running[r][5 // BS] * BS + 5 % BS for r in order]
 
 
+def test_a_kept_runner_order_is_proved_once_while_no_row_changes() -> None:
+    """A runner order that comes back unchanged, over decode steps whose scheduler order and
+    rows do not change, is proved to be the step's requests once; later steps reuse the proof
+    and put their own starts in that order. A step where a request ends and another joins
+    changes the rows, and the order is proved again. Every layout is the general path's."""
+    state = TranslationState(kv_group=0, max_concurrent_batches=1)
+    ids = ["a", "b", "c", "d"]
+    blocks = {r: [10 * i, 10 * i + 1, 10 * i + 2] for i, r in enumerate(ids)}
+    first = output(dict.fromkeys(ids, 5), [(r, blocks[r], 0) for r in ids], [], set(), set(), set())
+    state.commit(state.translate(first), dict.fromkeys(ids, 5))
+    runner = ["c", "a", "d", "b"]
+    computed = dict.fromkeys(ids, 5)
+    proofs = []
+
+    def decode_step(live: list[str], order: list[str]) -> None:
+        so = output(
+            dict.fromkeys(live, 1), [], [(r, None, computed[r]) for r in live], set(), set(), set()
+        )
+        step = state.translate(so)
+        state.commit(step, step.scheduled)
+        assert step.decode is not None
+        found = state.decode_rows(list(order), step.decode)
+        assert found is not None
+        proofs.append(state._order_proof)
+        fast = decode_layout_from_rows(order, *found, state.table, BS)
+        general = PrefixCacheWriteLayout.from_block_tables(
+            order, step.scheduled, step.starts, state.running, BS
+        )
+        assert fast is not None and torch.equal(fast.slots_cpu, general.slots_cpu)
+        for r in live:
+            computed[r] += 1
+
+    for _ in range(3):
+        decode_step(ids, runner)
+    assert proofs[0] is not None and proofs[1] is proofs[0] and proofs[2] is proofs[0]
+    # d ends and e joins in d's place of the runner's order: rows change, the proof is new.
+    join = output({"e": 3}, [("e", [90, 91], 0)], [], {"d"}, set(), set())
+    state.commit(state.translate(join), {"e": 3})
+    computed["e"] = 3
+    live = ["a", "b", "c", "e"]
+    decode_step(live, ["c", "a", "e", "b"])
+    decode_step(live, ["c", "a", "e", "b"])
+    assert proofs[3] is not proofs[0] and proofs[4] is proofs[3]
+
+
 def test_only_the_glues_own_save_keeps_a_decode_layouts_slot_array(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -235,12 +235,14 @@ class TranslationState:
         #: layout then reads the lists only.
         self.table_ok = True
         self._free_rows: list[int] = list(range(63, -1, -1))
-        # Scratch per row of ``table``: marks (a fresh number per check), positions (of the
-        # repeat check) and starts (a decode step's, put in the runner's order).
+        # Scratch per row of ``table``: marks (a fresh number per check) and positions (of the
+        # repeat check, and of a decode step's requests in the scheduler's order).
         self._row_mark = np.zeros(64, dtype=np.int64)
         self._row_pos = np.zeros(64, dtype=np.intp)
-        self._row_start = np.zeros(64, dtype=np.int64)
         self._mark = 0
+        # The last runner's order proved to be a decode step's requests: its rows, the step's
+        # rows (both arrays of the memo below) and where each of the first sits in the second.
+        self._order_proof: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         # Each row of ``table_rows`` as 8 little-endian bytes: the rows of hundreds of ids are
         # then one C-level join of their bytes, read as an array in place.
         self._row_bytes: dict[str, bytes] = {}
@@ -370,7 +372,6 @@ class TranslationState:
             )
             self._row_mark = np.zeros(new_rows, dtype=np.int64)
             self._row_pos = np.zeros(new_rows, dtype=np.intp)
-            self._row_start = np.zeros(new_rows, dtype=np.int64)
 
     # -----------------------------------------------------------------------------------------
     # The parts of a scheduler output, in the order their records go to the cache.
@@ -531,11 +532,7 @@ class TranslationState:
             return None
         rows = np.frombuffer(packed, dtype="<i8")
         if distinct:
-            positions = self._aranges.get(n)
-            if positions is None:
-                if len(self._aranges) > 64:
-                    self._aranges.clear()
-                positions = self._aranges[n] = np.arange(n, dtype=np.intp)
+            positions = self._positions(n)
             # Each row takes its position; a repeated row keeps only one of them.
             scratch = self._row_pos
             scratch[rows] = positions
@@ -553,8 +550,10 @@ class TranslationState:
         ``decode`` is the step's `StepTranslation.decode`: its requests' distinct rows, their
         starts and their ids. Not None proves ``order`` is those requests, each once: the same
         ids in the same order, or as many ids, each with a row, that together mark every one of
-        the step's rows. None when ``order`` is not that (or the table went off): the general
-        path then decides.
+        the step's rows. That proof, and where each of the runner's rows sits in the
+        scheduler's order, is kept while both orders come back unchanged with no row changed
+        (the same two memo arrays: a runner that keeps its rows in place). None when ``order``
+        is not that (or the table went off): the general path then decides.
         """
         step_rows, step_starts, step_ids = decode
         if isinstance(order, str) or len(order) != len(step_rows) or not self.table_ok:
@@ -566,14 +565,29 @@ class TranslationState:
         rows = self.rows_of(order, "order", distinct=False)
         if rows is None:
             return None
-        mark = self._next_mark()
-        row_mark = self._row_mark
-        row_mark[rows] = mark
-        if np.count_nonzero(row_mark[step_rows] != mark):
-            return None
-        row_start = self._row_start
-        row_start[step_rows] = step_starts
-        return rows, row_start[rows]
+        proof = self._order_proof
+        if proof is None or proof[0] is not rows or proof[1] is not step_rows:
+            # The memo hands out the same arrays while the same lists come back and no row
+            # changes, so a proof for these two arrays holds for as long as they do.
+            mark = self._next_mark()
+            row_mark = self._row_mark
+            row_mark[rows] = mark
+            if np.count_nonzero(row_mark[step_rows] != mark):
+                return None
+            # Where each of the runner's rows sits in the scheduler's order.
+            scratch = self._row_pos
+            scratch[step_rows] = self._positions(len(step_rows))
+            proof = self._order_proof = (rows, step_rows, scratch[rows])
+        return rows, step_starts[proof[2]]
+
+    def _positions(self, n: int) -> np.ndarray:
+        """``np.arange(n)``, one array per length (at most 64 lengths are kept)."""
+        positions = self._aranges.get(n)
+        if positions is None:
+            if len(self._aranges) > 64:
+                self._aranges.clear()
+            positions = self._aranges[n] = np.arange(n, dtype=np.intp)
+        return positions
 
     def _next_mark(self) -> int:
         self._mark += 1
