@@ -322,7 +322,7 @@ def decode_layout_from_rows(
     slots = np.multiply(blocks, block_size, dtype=np.int64)
     slots += offsets
     # An entry of -1 (no block there) gives -block_size plus an offset below block_size: < 0.
-    if slots.min() < 0:
+    if slots[slots.argmin()] < 0:  # argmin: ndarray.min is a Python-level wrapper
         return None
     req_ids = order if isinstance(order, tuple) else tuple(order)
     return PrefixCacheWriteLayout._from_bounds(

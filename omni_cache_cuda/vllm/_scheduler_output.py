@@ -506,7 +506,7 @@ class TranslationState:
             starts = np.fromiter(cached.computed, dtype=np.int64, count=n)
         except (KeyError, TypeError, ValueError, OverflowError):
             return True
-        if starts.min() >= 0:
+        if starts[starts.argmin()] >= 0:  # argmin: ndarray.min is a Python-level wrapper
             # rows_of kept a copy of a list (the caller's list may change before the save).
             ids = self._memo["cached"][0] if type(req_ids) is list else tuple(req_ids)
             step.decode = (rows, starts, ids)
