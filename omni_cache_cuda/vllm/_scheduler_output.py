@@ -87,9 +87,8 @@ class StepTranslation:
             requests' entries merged in on first read: a decode step's layout reads arrays).
         decode: In a decode step (no request joins, the scheduled requests are exactly the
             cached ones, each once with one token counted by an int, none has drafts), the
-            requests' table rows
-            and starts as arrays and a private copy of their ids, all in the scheduler's order,
-            for `TranslationState.decode_rows`; else None.
+            requests' table rows and starts as arrays and a private copy of their ids, all in
+            the scheduler's order, for `TranslationState.decode_rows`; else None.
         drafts: Requests with draft tokens in this step and how many (the last of their
             scheduled tokens: SPEC-1).
         computed: Computed-token counts of the requests whose earlier drafts this step
