@@ -96,7 +96,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -215,29 +215,30 @@ def timed(parts: Parts) -> Iterator[None]:
 
 
 @contextmanager
-def no_pool_write() -> Iterator[None]:
+def _pool_write_replaced(
+    replacement: Callable[[_committer.Committer, _committer.WriteJob], None],
+) -> Iterator[None]:
+    """Run ``replacement`` wherever a job's pool write would run, for the diagnostics."""
+    write_pool = _committer.Committer._write_pool
+    _committer.Committer._write_pool = replacement  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        _committer.Committer._write_pool = write_pool  # type: ignore[method-assign]
+
+
+def no_pool_write() -> AbstractContextManager[None]:
     """The diagnostic variant: the committer thread runs each job with its pool write skipped."""
-    write_pool = _committer.Committer._write_pool
-    _committer.Committer._write_pool = lambda self, job: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        _committer.Committer._write_pool = write_pool  # type: ignore[method-assign]
+    return _pool_write_replaced(lambda self, job: None)
 
 
-@contextmanager
-def compute_for_pool_write() -> Iterator[None]:
+def compute_for_pool_write() -> AbstractContextManager[None]:
     """The diagnostic variant: the committer hashes cache-resident bytes instead of its write."""
-    write_pool = _committer.Committer._write_pool
+    return _pool_write_replaced(_hash_instead)
 
-    def compute(self: _committer.Committer, job: _committer.WriteJob) -> None:
-        hashlib.sha256(_COMPUTE)
 
-    _committer.Committer._write_pool = compute  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        _committer.Committer._write_pool = write_pool  # type: ignore[method-assign]
+def _hash_instead(committer: _committer.Committer, job: _committer.WriteJob) -> None:
+    hashlib.sha256(_COMPUTE)
 
 
 #: What `compute_for_pool_write` hashes: about as long as a step's write (the script prints it).
@@ -295,6 +296,11 @@ def on_first_cpu() -> Iterator[list[int]]:
         os.sched_setaffinity(0, cpus)
 
 
+def blocks_so_far() -> int:
+    """This thread's voluntary context switches so far: the times it went to sleep."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
 def to_second_cpu(thread: threading.Thread, cpus: list[int]) -> None:
     """Move a started thread to the second of ``cpus``."""
     assert thread.native_id is not None
@@ -321,14 +327,14 @@ def _steps(
     with hand_off.get(variant, nullcontext)(), timed(parts):
         for i, step in enumerate(setup + steps):
             n = step.rows
-            b0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+            b0 = blocks_so_far()
             p0, w0 = time.process_time_ns(), time.perf_counter_ns()
             t0 = time.thread_time_ns()
             glue.step_begin(step.so)
             sid = glue.save(hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n)
             total = time.thread_time_ns() - t0
             wall = time.perf_counter_ns() - w0
-            blocks = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - b0
+            blocks = blocks_so_far() - b0
             if i < len(setup):
                 glue.discard_step(sid)
                 parts.step.clear()

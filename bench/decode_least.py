@@ -66,7 +66,6 @@ import collections
 import operator
 import os
 import random
-import resource
 import statistics
 import sys
 import threading
@@ -90,7 +89,7 @@ from adapter_step import (
     WIDTH,
     make_manager,
 )
-from decode_floor import on_first_cpu, to_second_cpu
+from decode_floor import blocks_so_far, on_first_cpu, to_second_cpu
 from vllm_glue import ENGINE_TARGET_US, Step, decode_steps, recorded
 
 from omni_cache_cuda._storage import alloc_host
@@ -298,11 +297,6 @@ def check_least(setup: list[Step], steps: list[Step], tensors: Any, *, barrier: 
     assert torch.equal(cache.pool["hidden"][layout.slots_cpu], hidden[:n]), "pool rows differ"
 
 
-def _blocks() -> int:
-    """This thread's voluntary context switches so far: the times it went to sleep."""
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
-
-
 def least_round(
     setup: list[Step],
     steps: list[Step],
@@ -325,12 +319,12 @@ def least_round(
             cache.start(setup)
             for i, step in enumerate(steps):
                 n = step.rows
-                b0 = _blocks()
+                b0 = blocks_so_far()
                 t0 = time.thread_time_ns()
                 cache.begin(step.so)
                 page = cache.save(hidden[:n], mm[:n], step.order)
                 t1 = time.thread_time_ns()
-                b1 = _blocks()
+                b1 = blocks_so_far()
                 cache.consume(page, n)
                 if pause_s:
                     time.sleep(pause_s)
@@ -371,12 +365,12 @@ def library_round(
             glue.discard_step(sid)
         for i, step in enumerate(steps):
             n = step.rows
-            b0 = _blocks()
+            b0 = blocks_so_far()
             t0 = time.thread_time_ns()
             glue.step_begin(step.so)
             sid = glue.save(hidden[:n], {MM_KEY: mm[:n]}, req_ids=step.order, num_tokens_unpadded=n)
             t1 = time.thread_time_ns()
-            b1 = _blocks()
+            b1 = blocks_so_far()
             glue.materialize(sid, step.order)
             if pause_s:
                 time.sleep(pause_s)
