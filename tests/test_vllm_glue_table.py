@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import random
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -189,11 +190,11 @@ def test_block_ids_the_table_cannot_hold_leave_the_lists_in_charge() -> None:
 
 
 def fast_and_general(
-    state: TranslationState, step: Any, order: list[str]
+    state: TranslationState, step: Any, order: Sequence[str]
 ) -> tuple[PrefixCacheWriteLayout | None, PrefixCacheWriteLayout]:
     """The fast path's layout (None if it refuses the order) and the general one."""
     general = PrefixCacheWriteLayout.from_block_tables(
-        order, step.scheduled, step.starts, state.running, BS
+        list(order), step.scheduled, step.starts, state.running, BS
     )
     found = state.decode_rows(order, step.decode)
     if found is None:
@@ -354,12 +355,9 @@ def test_the_schedulers_own_order_is_answered_from_a_copy_taken_at_translation()
     scheduler_list.reverse()  # the engine reuses its list: the copy still says a, b, c
     assert step.decode[2] == ids
     for order in (scheduler_list, tuple(ids)):
-        found = state.decode_rows(order, step.decode)  # type: ignore[arg-type]
+        found = state.decode_rows(order, step.decode)
         assert found is not None and found[0] is not rows
-        fast = decode_layout_from_rows(order, *found, state.table, BS)
-        general = PrefixCacheWriteLayout.from_block_tables(
-            list(order), step.scheduled, step.starts, state.running, BS
-        )
+        fast, general = fast_and_general(state, step, order)
         assert fast is not None and torch.equal(fast.slots_cpu, general.slots_cpu)
         assert fast.slots_cpu.tolist() == [state.running[r][5 // BS] * BS + 5 % BS for r in order]
 
@@ -385,13 +383,8 @@ def test_a_kept_runner_order_is_proved_once_while_no_row_changes() -> None:
         step = state.translate(so)
         state.commit(step, step.scheduled)
         assert step.decode is not None
-        found = state.decode_rows(list(order), step.decode)
-        assert found is not None
+        fast, general = fast_and_general(state, step, order)
         proofs.append(state._order_proof)
-        fast = decode_layout_from_rows(order, *found, state.table, BS)
-        general = PrefixCacheWriteLayout.from_block_tables(
-            order, step.scheduled, step.starts, state.running, BS
-        )
         assert fast is not None and torch.equal(fast.slots_cpu, general.slots_cpu)
         for r in live:
             computed[r] += 1
