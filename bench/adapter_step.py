@@ -51,7 +51,8 @@ import argparse
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -251,6 +252,97 @@ def bench_decode(threaded: bool, steps: int, warmup: int, baseline: CopyBaseline
     return samples
 
 
+class PrefillCycle(NamedTuple):
+    """One prefill step's inputs, as a scheduler would hand them to the cache."""
+
+    step: PrefixCacheStep
+    layout: PrefixCacheWriteLayout
+    req_ids: list[str]
+    #: The pool slots of every hit row the step returns, in the order the baseline gathers them.
+    hit_slots: torch.Tensor
+    #: Seconds the layout took to build (reported apart from the cycle).
+    layout_s: float
+
+
+#: The shared prefix's blocks: written once by a request that then stays live, hit by half of
+#: every prefill step's requests.
+_SHARED_BLOCKS = list(range(256 // BLOCK_SIZE))
+PREFILL_ROWS = 8 * 256 + 8 * 512  # rows a prefill step computes
+
+
+def prefill_warm_cycle() -> PrefillCycle:
+    """The step that writes the shared prefix (256 rows), before the timed prefill steps."""
+    layout = PrefixCacheWriteLayout.from_block_tables(
+        ["warm"], {"warm": 256}, {"warm": 0}, {"warm": _SHARED_BLOCKS}, BLOCK_SIZE
+    )
+    step = PrefixCacheStep(
+        events=[
+            PrefixCacheRequestEvent(
+                req_id="warm", kind=STARTED, block_ids=_SHARED_BLOCKS, scheduled_tokens=256
+            )
+        ],
+        scheduled_tokens={"warm": 256},
+    )
+    return PrefillCycle(step, layout, ["warm"], torch.zeros(0, dtype=torch.int64), 0.0)
+
+
+def prefill_cycles(count: int) -> Iterator[PrefillCycle]:
+    """``count`` prefill steps of 16 requests x 512 tokens, the even ones starting with a
+    256-token hit on the shared prefix; each step ends the previous step's requests."""
+    blocks_per_req = 512 // BLOCK_SIZE
+    hit_blocks = len(_SHARED_BLOCKS)
+    prev: list[str] = []
+    next_block = hit_blocks
+    for s in range(count):
+        reqs = [f"p{s}_{i}" for i in range(16)]
+        events = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in prev]
+        scheduled: dict[str, int] = {}
+        computed: dict[str, int] = {}
+        block_ids: dict[str, list[int]] = {}
+        hit_slots: list[int] = []
+        for i, r in enumerate(reqs):
+            if next_block + blocks_per_req > NUM_BLOCKS:
+                next_block = hit_blocks  # recycle every block but the shared prefix
+            own = list(range(next_block, next_block + blocks_per_req))
+            next_block += blocks_per_req
+            if i % 2 == 0:
+                block_ids[r] = _SHARED_BLOCKS + own[hit_blocks:]
+                computed[r], scheduled[r] = 256, 256
+                hit_slots.extend(range(hit_blocks * BLOCK_SIZE))
+            else:
+                block_ids[r] = own
+                computed[r], scheduled[r] = 0, 512
+            events.append(
+                PrefixCacheRequestEvent(
+                    req_id=r,
+                    kind=STARTED,
+                    hit_end=computed[r],
+                    block_ids=block_ids[r],
+                    scheduled_tokens=scheduled[r],
+                )
+            )
+        step = PrefixCacheStep(events=events, scheduled_tokens=scheduled)
+        t0 = time.perf_counter()
+        layout = PrefixCacheWriteLayout.from_block_tables(
+            reqs, scheduled, computed, block_ids, BLOCK_SIZE
+        )
+        layout_s = time.perf_counter() - t0
+        yield PrefillCycle(step, layout, reqs, torch.tensor(hit_slots), layout_s)
+        prev = reqs
+
+
+def prefill_rows(
+    width: int,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The rows every prefill step saves (hidden, mm), and the shared prefix's rows."""
+    rows = (
+        torch.randn(PREFILL_ROWS, width).to(DTYPE),
+        torch.randn(PREFILL_ROWS, MM_WIDTH).to(DTYPE),
+    )
+    warm_rows = (torch.randn(256, width).to(DTYPE), torch.randn(256, MM_WIDTH).to(DTYPE))
+    return rows, warm_rows
+
+
 def bench_prefill(
     threaded: bool,
     steps: int,
@@ -261,12 +353,7 @@ def bench_prefill(
     width: int = WIDTH,
 ) -> Samples:
     """Prefill cycles; ``width`` is the hidden states' (the baseline's must be the same)."""
-    blocks_per_req = 512 // BLOCK_SIZE
-    hit_blocks = 256 // BLOCK_SIZE
-    shared = list(range(hit_blocks))
-    n_max = 8 * 256 + 8 * 512
-    rows = (torch.randn(n_max, width).to(DTYPE), torch.randn(n_max, MM_WIDTH).to(DTYPE))
-    warm_rows = (torch.randn(256, width).to(DTYPE), torch.randn(256, MM_WIDTH).to(DTYPE))
+    rows, warm_rows = prefill_rows(width)
     samples = Samples()
 
     def check(out: object) -> None:
@@ -276,74 +363,26 @@ def bench_prefill(
         assert torch.equal(first[:256], warm_rows[0]), "hit prefix rows came back wrong"
 
     with make_manager(threaded, prefetch=prefetch) as m:
-        # The shared prefix: written once by a request that then stays live, hit by half of
-        # every step's requests.
-        warm_layout = PrefixCacheWriteLayout.from_block_tables(
-            ["warm"], {"warm": 256}, {"warm": 0}, {"warm": shared}, BLOCK_SIZE
-        )
-        timed_cycle(
-            m,
-            PrefixCacheStep(
-                events=[
-                    PrefixCacheRequestEvent(
-                        req_id="warm", kind=STARTED, block_ids=shared, scheduled_tokens=256
-                    )
-                ],
-                scheduled_tokens={"warm": 256},
-            ),
-            warm_rows,
-            256,
-            warm_layout,
-            ["warm"],
-        )
-        prev: list[str] = []
-        next_block = hit_blocks
-        for s in range(warmup + steps):
-            reqs = [f"p{s}_{i}" for i in range(16)]
-            events = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in prev]
-            scheduled: dict[str, int] = {}
-            computed: dict[str, int] = {}
-            block_ids: dict[str, list[int]] = {}
-            hit_slots: list[int] = []
-            for i, r in enumerate(reqs):
-                if next_block + blocks_per_req > NUM_BLOCKS:
-                    next_block = hit_blocks  # recycle every block but the shared prefix
-                own = list(range(next_block, next_block + blocks_per_req))
-                next_block += blocks_per_req
-                if i % 2 == 0:
-                    block_ids[r] = shared + own[hit_blocks:]
-                    computed[r], scheduled[r] = 256, 256
-                    hit_slots.extend(range(hit_blocks * BLOCK_SIZE))
-                else:
-                    block_ids[r] = own
-                    computed[r], scheduled[r] = 0, 512
-                events.append(
-                    PrefixCacheRequestEvent(
-                        req_id=r,
-                        kind=STARTED,
-                        hit_end=computed[r],
-                        block_ids=block_ids[r],
-                        scheduled_tokens=scheduled[r],
-                    )
-                )
-            step = PrefixCacheStep(events=events, scheduled_tokens=scheduled)
-            t0 = time.perf_counter()
-            layout = PrefixCacheWriteLayout.from_block_tables(
-                reqs, scheduled, computed, block_ids, BLOCK_SIZE
-            )
-            layout_s = time.perf_counter() - t0
+        warm = prefill_warm_cycle()
+        timed_cycle(m, warm.step, warm_rows, 256, warm.layout, warm.req_ids)
+        for s, cycle in enumerate(prefill_cycles(warmup + steps)):
             wall, engine, cpu = timed_cycle(
-                m, step, rows, n_max, layout, reqs, check if s == 0 else None
+                m,
+                cycle.step,
+                rows,
+                PREFILL_ROWS,
+                cycle.layout,
+                cycle.req_ids,
+                check if s == 0 else None,
             )
-            copy, copy1 = baseline.run(rows, layout.slots_cpu, torch.tensor(hit_slots))
+            copy, copy1 = baseline.run(rows, cycle.layout.slots_cpu, cycle.hit_slots)
             if s >= warmup:
                 samples.wall.append(wall)
                 samples.engine.append(engine)
                 samples.cpu.append(cpu)
                 samples.copy.append(copy)
                 samples.copy1.append(copy1)
-                samples.layout.append(layout_s)
-            prev = reqs
+                samples.layout.append(cycle.layout_s)
         stats = m.stats()
         assert stats.rows_written[HIDDEN_KEY] > 0 and stats.writes_failed == 0
     return samples
