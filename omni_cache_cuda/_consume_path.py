@@ -259,7 +259,8 @@ class ConsumePath:
                 )
             base = empty_rows((total, shape.width), shape.dtype)
             self._own_rows(ctx, key, positions, base)
-            pieces = torch.split(base.view(total, *shape.features), lengths.tolist())
+            # The method, not `torch.split`: the same views without two Python wrappers.
+            pieces = base.view(total, *shape.features).split_with_sizes(lengths.tolist())
             out.update(zip(plain, pieces, strict=True))
         if hit_reads:
             self._hit_requests(key, ctx, hit_reads, records, current, out)
@@ -337,7 +338,7 @@ class ConsumePath:
         if buffer is not None and plain:
             assert record is not None
             with self._state.ranges("omni_cache.hit_gather"):
-                _close_read(record, buffer[:hit])  # the prefix is in it already
+                _close_read(record, buffer, 0, hit)  # the prefix is in it already
             return buffer
         if buffer is None:
             buffer = empty_rows((hit + tail, shape.width), shape.dtype)
@@ -396,13 +397,13 @@ class ConsumePath:
                     ):
                         self._plain_prefix(piece[: len(read.slots)], read, record)
                     raise
-                pieces = torch.split(base.view(len(index), *shape.features), group_sizes)
+                pieces = base.view(len(index), *shape.features).split_with_sizes(group_sizes)
                 lo = 0
                 for (req, _, record, start, end), hit, size, piece in zip(
                     group, hits[first:last], group_sizes, pieces, strict=True
                 ):
                     if record is not None:
-                        _close_read(record, base[lo : lo + hit])
+                        _close_read(record, base, lo, hit)
                     own_rows.append((start, end, base, lo + hit))
                     out[req] = piece
                     lo += size
@@ -599,12 +600,20 @@ assert min(SlotSource.TASK.value, SlotSource.ZEROS.value, SlotSource.THIS_STEP.v
 )
 
 
-def _close_read(record: ReadRecord, out: torch.Tensor) -> None:
-    """Lay a hit's preserved rows over its gathered prefix ``out`` and close its record, under
-    the record's lock: a later Preserve then skips, the gather being done (HIT-6)."""
+def _close_read(
+    record: ReadRecord, out: torch.Tensor, first: int = 0, rows: int | None = None
+) -> None:
+    """Lay a hit's preserved rows over its gathered prefix and close its record, under the
+    record's lock: a later Preserve then skips, the gather being done (HIT-6).
+
+    The prefix is ``out``'s ``rows`` rows from ``first`` (all of ``out`` when ``rows`` is None);
+    its view is made only when a row was preserved, the rare case.
+    """
     with record.lock:
-        for positions, rows in record.preserved:
-            out[torch.from_numpy(positions)] = rows
+        if record.preserved:
+            prefix = out if rows is None else out[first : first + rows]
+            for positions, kept in record.preserved:
+                prefix[torch.from_numpy(positions)] = kept
         record.closed = True
 
 
