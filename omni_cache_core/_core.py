@@ -201,6 +201,8 @@ class CacheCore(CoreQueries):
         # D10: hits of a start that no save followed can never be served; their requests must
         # end (or be preempted and resumed) before they are saved again.
         hits.on_start()
+        # Ending requests ends no step: the unended steps' entries are listed once.
+        step_entries = self._saved.entry_arrays() if ending else []
         for req_id, kind in ending:
             if not requests.is_live(req_id):
                 continue  # the end of a request the cache never saw: nothing to do
@@ -212,7 +214,7 @@ class CacheCore(CoreQueries):
             if preempted:
                 requests.preempt(req_id)  # LIFE-3: live for delivery, not for saves
             else:
-                requests.end(req_id, self._saved.entry_arrays())
+                requests.end(req_id, step_entries)
         block_size = self.config.block_size
         hit_list: list[tuple[ReqId, tuple[int, ...], int]] = []
         for req_id, kind, hit_end, block_ids in starting:

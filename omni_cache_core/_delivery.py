@@ -36,7 +36,7 @@ delivered range at consume.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
 from typing import Any, Final, NoReturn, cast
 
@@ -232,13 +232,21 @@ class Admissions:
         """
         after: dict[ReqId, RequestState] = {}  # the state each request reaches within this step
         for req_id, kind in ending:
+            if kind is _K.FINISHED or kind is _K.ABORTED:
+                after[req_id] = _NOT_LIVE  # legal in every state: no state to look up
+                continue
             now = after.get(req_id) or self.state_of(req_id)
             nxt = _LIFECYCLE.get((now, kind))
             if nxt is None:
                 raise LifecycleError(req_id=req_id, event=kind.value, state=now.value)
             after[req_id] = nxt
+        # With no request preempted, a STARTED record is legal unless this step preempted it.
+        no_preempted = not self._num_preempted
         for req_id, kind, _, _ in starting:
-            now = after.get(req_id) or self.state_of(req_id)
+            step_state = after.get(req_id)
+            if step_state is None and no_preempted and kind is _K.STARTED:
+                continue
+            now = step_state or self.state_of(req_id)
             if (now, kind) not in _LIFECYCLE:
                 raise LifecycleError(req_id=req_id, event=kind.value, state=now.value)
 
@@ -266,16 +274,17 @@ class Admissions:
         self.computed[entry] = hit_end
         return int(self.cursor[entry])
 
-    def end(self, req_id: ReqId, steps: Iterable[Int64Array]) -> None:
+    def end(self, req_id: ReqId, steps: Sequence[Int64Array]) -> None:
         """The admission ended; its entry is freed now, or once no unended step carries it.
 
         `steps`: the entries of every unended step.
         """
         entry = self._entry_of.pop(req_id)
-        if self.state[entry] == _PREEMPTED_CODE:
+        # Only a preempted count above 0 leaves an entry preempted to look for.
+        if self._num_preempted and self.state[entry] == _PREEMPTED_CODE:
             self._num_preempted -= 1
         self._known_layout = None
-        if carried_by(entry, steps):
+        if steps and carried_by(entry, steps):
             self.state[entry] = _ENDED_CODE
             self.ended.add(entry)
         else:

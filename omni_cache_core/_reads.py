@@ -20,7 +20,7 @@ decide slot ownership, task states, positions (DLV) or when a step ends.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -46,8 +46,12 @@ _AFTER_WRITE: Final = np.int8(SlotSource.AFTER_WRITE.value)
 _TASK: Final = np.int8(SlotSource.TASK.value)
 _ZEROS: Final = np.int8(SlotSource.ZEROS.value)
 _THIS_STEP: Final = np.int8(SlotSource.THIS_STEP.value)
+# The usual hit's sources are all POOL, made as zeros (`HitReads._plan`).
+assert _POOL == 0
 
 _EMPTY_SLOTS: Final = np.zeros(0, dtype=np.int64)
+#: The deferred writes of a read of none (most reads): one shared value.
+_NO_TIDS: Final[frozenset[Tid]] = frozenset()
 
 
 class Read:
@@ -156,7 +160,7 @@ class HitReads:
         if reads is None:
             return ()
         return tuple(
-            (read.plan.read_id, frozenset(tid for tid, _ in read.plan.chunk_limit))
+            (read.plan.read_id, _tids_of(read.plan.chunk_limit))
             for rs in reads.values()
             for read in rs
         )
@@ -239,7 +243,7 @@ class HitReads:
         numpy calls per key, not per hit.
         """
         block_size = self._block_size
-        every = _block_slots(list(itertools.chain.from_iterable(b for _, b, _ in hits)), block_size)
+        every = _block_slots(itertools.chain.from_iterable(b for _, b, _ in hits), block_size)
         sizes = [len(b) * block_size for _, b, _ in hits]
         if catch_up:
             every = np.concatenate([every, *(slots for _, slots, _ in catch_up)])
@@ -248,20 +252,23 @@ class HitReads:
         bounds = [0, *itertools.accumulate(sizes)]
         first_id = self._next_read_id
         self._next_read_id += len(hits) * len(hit_keys)
-        # The usual hit: every row is in the pool (owner COMMITTED, code 0).
-        pending = {key: tables.by_key[key].owner[every] != COMMITTED for key in hit_keys}
-        all_committed = {key: not any_true(mask) for key, mask in pending.items()}
+        # The usual hit: every row is in the pool (owner COMMITTED, code 0), and one count of
+        # the gathered owners says so; only the other keys build a mask of their pending rows.
+        owners = [(key, tables.by_key[key].owner[every]) for key in hit_keys]
+        pending = {key: owner != COMMITTED for key, owner in owners if np.count_nonzero(owner)}
         effects: list[PrefetchRead] = []
         ranges: dict[int, npt.NDArray[np.int64]] = {}  # hits are mostly of one length
-        for i, (req_id, _, first) in enumerate(hits):
+        start_hits = self._start_hits
+        for (req_id, _, first), lo, hi, ids in zip(
+            hits, bounds, bounds[1:], itertools.count(first_id, len(hit_keys))
+        ):
             if first:
                 self._start_hit_lo[req_id] = first
-            lo, hi = bounds[i], bounds[i + 1]
             hit_slots = every[lo:hi]
-            read_ids = {key: first_id + i * len(hit_keys) + k for k, key in enumerate(hit_keys)}
-            self._start_hits[req_id] = (hit_slots, read_ids)
+            read_ids = dict(zip(hit_keys, itertools.count(ids)))
+            start_hits[req_id] = (hit_slots, read_ids)
             for key in hit_keys:
-                if all_committed[key]:
+                if key not in pending:
                     positions = ranges.get(hi - lo)
                     if positions is None:
                         positions = ranges[hi - lo] = np.arange(hi - lo)
@@ -272,13 +279,7 @@ class HitReads:
                         continue
                     slots = hit_slots[positions]
                 effects.append(
-                    PrefetchRead(
-                        read_id=read_ids[key],
-                        req_id=req_id,
-                        key=key,
-                        positions=positions,
-                        slots=slots,
-                    )
+                    PrefetchRead._of_registered(read_ids[key], req_id, key, positions, slots)
                 )
         self._start_hit_slots = (every, bounds)
         return effects
@@ -413,7 +414,9 @@ class HitReads:
         # membership mark costs far less than sorting the step.
         if step_tid is not None:
             # `keys` holds every key the save passed, so the step key's owners are gathered.
-            any_mine = any_true(owners[sv.immediate_keys[0]][0] == step_tid)
+            # Hit rows are mostly all committed (owner 0): one count settles it then.
+            step_owner = owners[sv.immediate_keys[0]][0]
+            any_mine = bool(np.count_nonzero(step_owner)) and any_true(step_owner == step_tid)
         else:
             mark = self._slot_mark
             mark[sv.slots] = True
@@ -428,46 +431,64 @@ class HitReads:
             step_row.setflags(write=False)  # shared by every read of the step
             mine = None
         reads: dict[ReqId, list[Read]] = {r: [] for r, _ in hits}
-        no_writer = np.zeros(len(every), dtype=np.int32)
+        n = len(every)
+        no_writer = np.zeros(n, dtype=np.int32)
         no_writer.setflags(write=False)  # shared by every read of every key without writers
         hit_rows = np.zeros(len(SlotSource), dtype=np.int64)
+        # Each read's bounds are the same for every key: paired once per step.
+        spans = [
+            (req_id, slots, read_ids, lo, hi)
+            for (req_id, (slots, read_ids)), lo, hi in zip(
+                hits, bounds[:-1], bounds[1:], strict=True
+            )
+        ]
+        by_id = self._reads
         for key in keys:
             owner, version = owners[key]
-            source = np.where(owner == COMMITTED, _POOL, _ZEROS)
-            in_transit = owner > 0
-            if mine is not None:
-                in_transit &= ~mine
-                source[mine] = _THIS_STEP
-            has_writers = any_true(in_transit)
-            writer = np.where(in_transit, owner, 0).astype(np.int32) if has_writers else no_writer
-            if has_writers:
-                source[in_transit] = _TASK if key in deferred_keys else _AFTER_WRITE
-            counts = np.bincount(source, minlength=len(SlotSource))
-            hit_rows += counts
+            # The rows owned by an in-flight write (AFTER_WRITE or TASK), None without any.
+            in_transit: npt.NDArray[np.bool_] | None = None
             missing = None
-            if key == HIDDEN_KEY and counts[_ZEROS]:
-                missing = np.add.reduceat(source == _ZEROS, bounds[:-1])
-            preserved = np.zeros(len(every), dtype=np.bool_)  # sliced per read: one allocation
-            for i, (req_id, (slots, read_ids)) in enumerate(hits):
-                lo, hi = bounds[i], bounds[i + 1]
+            if mine is None and not np.count_nonzero(owner):
+                # The usual hit: every row committed, none of this step's. All read the pool.
+                source = np.zeros(n, dtype=np.int8)
+                writer = no_writer
+                hit_rows[_POOL] += n
+            else:
+                source = np.where(owner == COMMITTED, _POOL, _ZEROS)
+                transit = owner > 0
+                if mine is not None:
+                    transit &= ~mine
+                    source[mine] = _THIS_STEP
+                writer = no_writer
+                if any_true(transit):
+                    in_transit = transit
+                    writer = np.where(transit, owner, 0).astype(np.int32)
+                    source[transit] = _TASK if key in deferred_keys else _AFTER_WRITE
+                counts = np.bincount(source, minlength=len(SlotSource))
+                hit_rows += counts
+                if key == HIDDEN_KEY and counts[_ZEROS]:
+                    missing = np.add.reduceat(source == _ZEROS, bounds[:-1])
+            preserved = np.zeros(n, dtype=np.bool_)  # sliced per read: one allocation
+            for i, (req_id, slots, read_ids, lo, hi) in enumerate(spans):
                 read_writer = writer[lo:hi]
-                reads_writers = has_writers and any_true(in_transit[lo:hi])
+                reads_writers = in_transit is not None and any_true(in_transit[lo:hi])
+                read_source = source[lo:hi]
                 chunk_limit, error = (
-                    _limit_task_reads(read_writer, source[lo:hi], chunks_of)
+                    _limit_task_reads(read_writer, read_source, chunks_of)
                     if reads_writers
                     else ((), None)
                 )
                 read = Read(
-                    ReadPlan(
-                        read_id=read_ids.get(key) or self._new_read_id(),
-                        req_id=req_id,
-                        key=key,
-                        slots=slots,
-                        source=source[lo:hi],
-                        writer=read_writer,
-                        chunk_limit=chunk_limit,
-                        step_row=step_row[lo:hi],
-                        preserved=preserved[lo:hi],
+                    ReadPlan._of_planned(
+                        read_ids.get(key) or self._new_read_id(),
+                        req_id,
+                        key,
+                        slots,
+                        read_source,
+                        read_writer,
+                        chunk_limit,
+                        step_row[lo:hi],
+                        preserved[lo:hi],
                     ),
                     step_id,
                     version[lo:hi],
@@ -480,7 +501,7 @@ class HitReads:
                         f"{int(missing[i])} of {hi - lo} hidden-state rows are unknown or absent "
                         "(never written, or written by another tenant)"
                     )
-                self._reads[read.plan.read_id] = read
+                by_id[read.plan.read_id] = read
                 reads[req_id].append(read)
         self._by_step[step_id] = reads
         self._hit_rows[step_id] = hit_rows
@@ -599,8 +620,13 @@ def _limit_task_reads(
     return tuple(limits), error
 
 
-def _block_slots(block_ids: list[int], block_size: int) -> SlotArray:
-    blocks = np.asarray(block_ids, dtype=np.int64)
+def _tids_of(chunk_limit: tuple[tuple[Tid, int], ...]) -> frozenset[Tid]:
+    """The deferred writes a read's chunk limits name."""
+    return frozenset(tid for tid, _ in chunk_limit) if chunk_limit else _NO_TIDS
+
+
+def _block_slots(block_ids: Iterable[int], block_size: int) -> SlotArray:
+    blocks = np.fromiter(block_ids, dtype=np.int64)
     return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
 
 

@@ -10,8 +10,8 @@ use ``eq=False`` (the canonical, comparable state is `CacheCore.snapshot()`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TypeAlias
+from collections.abc import Callable, Mapping
+from typing import Final, TypeAlias
 
 import attrs
 import numpy as np
@@ -368,6 +368,30 @@ class PrefetchRead:
     positions: SlotArray
     slots: SlotArray
 
+    @classmethod
+    def _of_registered(
+        cls,
+        read_id: int,
+        req_id: ReqId,
+        key: TensorName,
+        positions: SlotArray,
+        slots: SlotArray,
+    ) -> PrefetchRead:
+        """A prefetch the core's hit registration built, its fields given in order.
+
+        The caller guarantees each field has its declared type (no attrs validator checks one
+        either). A start with many hits builds one per hit and key; skipping the keyword call
+        and the frozen class's attribute guard halves that. The value equals the constructor's.
+        """
+        read = object.__new__(cls)
+        set_read_id, set_req_id, set_key, set_positions, set_slots = _PREFETCH_READ_SETTERS
+        set_read_id(read, read_id)
+        set_req_id(read, req_id)
+        set_key(read, key)
+        set_positions(read, positions)
+        set_slots(read, slots)
+        return read
+
 
 @attrs.frozen(kw_only=True, eq=False)
 class ReadPlan:
@@ -395,6 +419,58 @@ class ReadPlan:
     chunk_limit: tuple[tuple[Tid, int], ...]
     step_row: npt.NDArray[np.int32]
     preserved: npt.NDArray[np.bool_]
+
+    @classmethod
+    def _of_planned(
+        cls,
+        read_id: int,
+        req_id: ReqId,
+        key: TensorName,
+        slots: SlotArray,
+        source: npt.NDArray[np.int8],
+        writer: npt.NDArray[np.int32],
+        chunk_limit: tuple[tuple[Tid, int], ...],
+        step_row: npt.NDArray[np.int32],
+        preserved: npt.NDArray[np.bool_],
+    ) -> ReadPlan:
+        """A plan the core's read planning built, its fields given in order.
+
+        The caller guarantees each field has its declared type (no attrs validator checks one
+        either). A prefill save plans one read per hit and key; skipping the keyword call and
+        the frozen class's attribute guard halves each plan's cost. The value equals the
+        constructor's.
+        """
+        plan = object.__new__(cls)
+        (
+            set_read_id,
+            set_req_id,
+            set_key,
+            set_slots,
+            set_source,
+            set_writer,
+            set_chunk_limit,
+            set_step_row,
+            set_preserved,
+        ) = _READ_PLAN_SETTERS
+        set_read_id(plan, read_id)
+        set_req_id(plan, req_id)
+        set_key(plan, key)
+        set_slots(plan, slots)
+        set_source(plan, source)
+        set_writer(plan, writer)
+        set_chunk_limit(plan, chunk_limit)
+        set_step_row(plan, step_row)
+        set_preserved(plan, preserved)
+        return plan
+
+
+def _slot_setters(cls: type) -> tuple[Callable[[object, object], None], ...]:
+    """The setters of a slotted attrs class's fields, in field order (for fast constructors)."""
+    return tuple(cls.__dict__[field.name].__set__ for field in attrs.fields(cls))
+
+
+_PREFETCH_READ_SETTERS: Final = _slot_setters(PrefetchRead)
+_READ_PLAN_SETTERS: Final = _slot_setters(ReadPlan)
 
 
 @attrs.frozen(kw_only=True, eq=False)

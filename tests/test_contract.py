@@ -558,3 +558,25 @@ def test_every_contract_name_is_exported() -> None:
         assert name in omni_cache_core.__all__
         assert getattr(omni_cache_core, name) is getattr(_contract, name)
     assert sorted(set(omni_cache_core.__all__)) == sorted(omni_cache_core.__all__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast constructors of values the core builds.
+
+
+@pytest.mark.parametrize(
+    "cls, fast", [("PrefetchRead", "_of_registered"), ("ReadPlan", "_of_planned")]
+)
+def test_fast_constructors_equal_the_constructors(cls: str, fast: str) -> None:
+    """The core's positional constructors set every field as the keyword constructor does."""
+    from omni_cache_core import _values
+
+    klass = getattr(_values, cls)
+    values = {field.name: object() for field in attrs.fields(klass)}
+    built = getattr(klass, fast)(*values.values())
+    expected = klass(**values)
+    assert type(built) is klass
+    for name, value in values.items():
+        assert getattr(built, name) is value is getattr(expected, name)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        setattr(built, next(iter(values)), 0)
