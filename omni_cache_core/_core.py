@@ -203,18 +203,25 @@ class CacheCore(CoreQueries):
         hits.on_start()
         # Ending requests ends no step: the unended steps' entries are listed once.
         step_entries = self._saved.entry_arrays() if ending else []
+        live = requests.entries_by_request
+        # Only a request with deferred writes has writes to escalate as it ends (TASK-4).
+        request_writes = bool(ending) and self._writes.any_request_writes
+        gone: list[ReqId] = []
         for req_id, kind in ending:
-            if not requests.is_live(req_id):
+            if req_id not in live:
                 continue  # the end of a request the cache never saw: nothing to do
-            hits.forget_request(req_id)
+            gone.append(req_id)
             if drafts:
                 self._settle_at_end(requests.entry_of(req_id), tombstones)
             preempted = kind is PrefixCacheEventKind.PREEMPTED
-            escalate.extend(self._writes.end_request(req_id, ended=not preempted))
+            if request_writes:
+                escalate.extend(self._writes.end_request(req_id, ended=not preempted))
             if preempted:
                 requests.preempt(req_id)  # LIFE-3: live for delivery, not for saves
             else:
                 requests.end(req_id, step_entries)
+        if gone:
+            hits.forget_requests(gone)
         block_size = self.config.block_size
         hit_list: list[tuple[ReqId, tuple[int, ...], int]] = []
         for req_id, kind, hit_end, block_ids in starting:
@@ -222,7 +229,7 @@ class CacheCore(CoreQueries):
                 cursor = requests.resume(req_id, hit_end)
                 # DLV-3: only positions not delivered yet are read, from the cursor's block on.
                 first = cursor // block_size * block_size
-            elif requests.is_live(req_id):
+            elif req_id in live:
                 continue  # HIT-1: a continuation of a live request opens no hit.
             else:
                 requests.admit(req_id, hit_end)
@@ -232,7 +239,6 @@ class CacheCore(CoreQueries):
                     (req_id, block_ids[first // block_size : hit_end // block_size], first)
                 )
         effects: list[StartEffect] = [*tombstones]
-        live = requests.entries_by_request
         # SPEC-4: only an admission still running reads its accepted rows.
         reads_back = [
             (r, slots, first)
@@ -445,7 +451,7 @@ class CacheCore(CoreQueries):
             step_id=step.step_id,
             page=step.page,
             keys=step.keys,
-            reads=tuple(read.plan for read in reads),
+            reads=tuple([read.plan for read in reads]),
             discard=False,
             starts=start,
             ends=end,

@@ -198,11 +198,15 @@ class Admissions:
             LifecycleError: A record is illegal in its request's state (LIFE-2).
             In both cases nothing changes.
         """
-        ending: list[_Ending] = []
-        starting: list[_Starting] = []
+        # The ids are request ids: cast once for the lists, not once per record.
+        ending: list[tuple[str, PrefixCacheEventKind]] = []
+        starting: list[tuple[str, PrefixCacheEventKind, int, tuple[int, ...]]] = []
         seen: set[str] = set()
+        # Ends are legal in every state, and a start in every state but preempted: only a
+        # preemption, a resume or a request already preempted needs the states checked.
+        check = self._num_preempted > 0
         for event in events:
-            req_id = cast(ReqId, event.req_id)
+            req_id = event.req_id
             kind = event.kind
             if kind in _STARTS:
                 if req_id in seen:
@@ -213,14 +217,16 @@ class Admissions:
                     )
                 seen.add(req_id)
                 if event.hit_end:
-                    check_hit(req_id, event.hit_end, event.block_ids)
+                    check_hit(cast(ReqId, req_id), event.hit_end, event.block_ids)
                 starting.append((req_id, kind, event.hit_end, event.block_ids))
+                check = check or kind is _K.RESUMED
             else:
                 ending.append((req_id, kind))
-        # Only ends, preemptions and resumes can be illegal while no request is preempted.
-        if ending or self._num_preempted or any(kind is _K.RESUMED for _, kind, _, _ in starting):
-            self.check_records(ending, starting)
-        return ending, starting
+                check = check or kind is _K.PREEMPTED
+        ends, starts = cast(list[_Ending], ending), cast(list[_Starting], starting)
+        if check:
+            self.check_records(ends, starts)
+        return ends, starts
 
     def check_records(self, ending: list[_Ending], starting: list[_Starting]) -> None:
         """LIFE-2: check a step's records against each request's state, changing nothing.
@@ -287,8 +293,9 @@ class Admissions:
         if steps and carried_by(entry, steps):
             self.state[entry] = _ENDED_CODE
             self.ended.add(entry)
-        else:
-            self._release_entry(entry)
+        else:  # `_release_entry`, inline: a prefill step ends many requests
+            self.state[entry] = _FREE
+            self._free.append(entry)
 
     def check_layout(self, req_ids: tuple[ReqId, ...]) -> Int64Array:
         """Check a save's requests are distinct and running (D9, LIFE-3); return their entries.

@@ -104,6 +104,7 @@ class HitReads:
     """
 
     __slots__ = (
+        "_block_offsets",
         "_block_size",
         "_by_step",
         "_hit_rows",
@@ -122,6 +123,8 @@ class HitReads:
         self._num_blocks = num_blocks
         #: Scratch membership marks, all False between calls (`plan_step`).
         self._slot_mark = np.zeros(num_slots, dtype=np.bool_)
+        #: Scratch: each slot's offset in its block, over the most blocks a start hit so far.
+        self._block_offsets: SlotArray = _EMPTY_SLOTS
         self._next_read_id = 1
         # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
         self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
@@ -159,10 +162,16 @@ class HitReads:
         reads = self._by_step.get(step_id)
         if reads is None:
             return ()
+        # Most reads name no deferred write: the shared empty set, with no call per read.
         return tuple(
-            (read.plan.read_id, _tids_of(read.plan.chunk_limit))
-            for rs in reads.values()
-            for read in rs
+            [
+                (
+                    read.plan.read_id,
+                    _tids_of(limit) if (limit := read.plan.chunk_limit) else _NO_TIDS,
+                )
+                for rs in reads.values()
+                for read in rs
+            ]
         )
 
     def read_ids_by_request(self, step_id: StepId) -> tuple[tuple[ReqId, tuple[int, ...]], ...]:
@@ -180,6 +189,16 @@ class HitReads:
             BadInputError: It is not; nothing changes.
         """
         block_size = self._block_size
+        hit_blocks = block_ids[: hit_end // block_size]
+        # The usual hit passes every check: its blocks' bounds are all it costs.
+        if (
+            hit_blocks
+            and not hit_end % block_size
+            and len(hit_blocks) * block_size == hit_end
+            and min(hit_blocks) >= 0
+            and max(hit_blocks) < self._num_blocks
+        ):
+            return
 
         def what() -> str:  # HIT-1: every refusal names the request, hit_end and the block size
             return f"hit of request {req_id!r} (hit_end={hit_end}, block_size={block_size})"
@@ -202,7 +221,6 @@ class HitReads:
                 expected=f"at least {hit_end // block_size} blocks for hit_end={hit_end}",
                 got=f"{len(block_ids)} blocks",
             )
-        hit_blocks = block_ids[: hit_end // block_size]
         if min(hit_blocks) < 0 or max(hit_blocks) >= self._num_blocks:
             raise BadInputError(
                 what=f"block ids of request {req_id!r}",
@@ -216,9 +234,10 @@ class HitReads:
             self._lost_hits |= self._start_hits.keys()
             self.clear_start_hits()
 
-    def forget_request(self, req_id: ReqId) -> None:
-        """The request ended or was preempted: it may be saved again after its next start."""
-        self._lost_hits.discard(req_id)
+    def forget_requests(self, req_ids: Iterable[ReqId]) -> None:
+        """The requests ended or were preempted: they may be saved again after their next start."""
+        if self._lost_hits:
+            self._lost_hits.difference_update(req_ids)
 
     def clear_start_hits(self) -> None:
         """Forget the registered hits (the save planned them, or the next start lost them)."""
@@ -243,8 +262,10 @@ class HitReads:
         numpy calls per key, not per hit.
         """
         block_size = self._block_size
-        every = _block_slots(itertools.chain.from_iterable(b for _, b, _ in hits), block_size)
         sizes = [len(b) * block_size for _, b, _ in hits]
+        every = self._block_slots(
+            itertools.chain.from_iterable(b for _, b, _ in hits), sum(sizes) // block_size
+        )
         if catch_up:
             every = np.concatenate([every, *(slots for _, slots, _ in catch_up)])
             sizes += [len(slots) for _, slots, _ in catch_up]
@@ -259,28 +280,27 @@ class HitReads:
         effects: list[PrefetchRead] = []
         ranges: dict[int, npt.NDArray[np.int64]] = {}  # hits are mostly of one length
         start_hits = self._start_hits
+        numbered = tuple(enumerate(hit_keys))
         for (req_id, _, first), lo, hi, ids in zip(
             hits, bounds, bounds[1:], itertools.count(first_id, len(hit_keys))
         ):
             if first:
                 self._start_hit_lo[req_id] = first
             hit_slots = every[lo:hi]
-            read_ids = dict(zip(hit_keys, itertools.count(ids)))
-            start_hits[req_id] = (hit_slots, read_ids)
-            for key in hit_keys:
+            start_hits[req_id] = (hit_slots, {key: ids + j for j, key in numbered})
+            every_row = ranges.get(hi - lo)  # a hit's rows, read by each key with none pending
+            if every_row is None:
+                every_row = ranges[hi - lo] = np.arange(hi - lo)
+            for j, key in numbered:
                 if key not in pending:
-                    positions = ranges.get(hi - lo)
-                    if positions is None:
-                        positions = ranges[hi - lo] = np.arange(hi - lo)
+                    positions = every_row
                     slots = hit_slots
                 else:
                     positions = np.flatnonzero(~pending[key][lo:hi])
                     if not len(positions):
                         continue
                     slots = hit_slots[positions]
-                effects.append(
-                    PrefetchRead._of_registered(read_ids[key], req_id, key, positions, slots)
-                )
+                effects.append(PrefetchRead._of_registered(ids + j, req_id, key, positions, slots))
         self._start_hit_slots = (every, bounds)
         return effects
 
@@ -391,8 +411,10 @@ class HitReads:
             return own_first
         self._plan(step_id, sv, keys, step_tid, tables, deferred_keys, chunks_of)
         lo = own_first.copy()
-        for req_id in self._start_hits:
-            lo[sv.req_ids.index(req_id)] = self._start_hit_lo.get(req_id, 0)
+        # One pass over the layout finds every hit's row; a hit starts at 0 but for a resume.
+        start_hits, hit_lo = self._start_hits, self._start_hit_lo
+        rows = [i for i, r in enumerate(sv.req_ids) if r in start_hits]
+        lo[rows] = [hit_lo.get(sv.req_ids[i], 0) for i in rows] if hit_lo else 0
         self.clear_start_hits()
         return lo
 
@@ -435,9 +457,10 @@ class HitReads:
         no_writer = np.zeros(n, dtype=np.int32)
         no_writer.setflags(write=False)  # shared by every read of every key without writers
         hit_rows = np.zeros(len(SlotSource), dtype=np.int64)
-        # Each read's bounds are the same for every key: paired once per step.
+        # Each read's bounds, list and step rows (a view its keys' plans share) are the same
+        # for every key: paired once per step.
         spans = [
-            (req_id, slots, read_ids, lo, hi)
+            (req_id, slots, read_ids, lo, hi, reads[req_id], step_row[lo:hi])
             for (req_id, (slots, read_ids)), lo, hi in zip(
                 hits, bounds[:-1], bounds[1:], strict=True
             )
@@ -469,40 +492,64 @@ class HitReads:
                 if key == HIDDEN_KEY and counts[_ZEROS]:
                     missing = np.add.reduceat(source == _ZEROS, bounds[:-1])
             preserved = np.zeros(n, dtype=np.bool_)  # sliced per read: one allocation
-            for i, (req_id, slots, read_ids, lo, hi) in enumerate(spans):
+            if in_transit is None and missing is None:
+                # The usual key: no read waits for a writer or lacks a row; nothing else to set.
+                for req_id, slots, read_ids, lo, hi, req_reads, read_step_row in spans:
+                    read_id = read_ids.get(key) or self._new_read_id()
+                    read = Read(
+                        ReadPlan._of_planned(
+                            read_id,
+                            req_id,
+                            key,
+                            slots,
+                            source[lo:hi],
+                            writer[lo:hi],
+                            (),
+                            read_step_row,
+                            preserved[lo:hi],
+                        ),
+                        step_id,
+                        version[lo:hi],
+                        False,
+                    )
+                    by_id[read_id] = read
+                    req_reads.append(read)
+                continue
+            for i, (req_id, slots, read_ids, lo, hi, req_reads, read_step_row) in enumerate(spans):
                 read_writer = writer[lo:hi]
-                reads_writers = in_transit is not None and any_true(in_transit[lo:hi])
                 read_source = source[lo:hi]
-                chunk_limit, error = (
-                    _limit_task_reads(read_writer, read_source, chunks_of)
-                    if reads_writers
-                    else ((), None)
-                )
+                reads_writers = in_transit is not None and any_true(in_transit[lo:hi])
+                if reads_writers:
+                    chunk_limit, error = _limit_task_reads(read_writer, read_source, chunks_of)
+                else:
+                    chunk_limit, error = (), None
+                read_id = read_ids.get(key) or self._new_read_id()
                 read = Read(
                     ReadPlan._of_planned(
-                        read_ids.get(key) or self._new_read_id(),
+                        read_id,
                         req_id,
                         key,
                         slots,
                         read_source,
                         read_writer,
                         chunk_limit,
-                        step_row[lo:hi],
+                        read_step_row,
                         preserved[lo:hi],
                     ),
                     step_id,
                     version[lo:hi],
                     reads_writers,
                 )
-                read.error = error
+                if error is not None:
+                    read.error = error
                 if missing is not None and missing[i]:
                     # HIT-4: never a miss: the cache and the engine's KV state diverged.
                     read.error = (
                         f"{int(missing[i])} of {hi - lo} hidden-state rows are unknown or absent "
                         "(never written, or written by another tenant)"
                     )
-                by_id[read.plan.read_id] = read
-                reads[req_id].append(read)
+                by_id[read_id] = read
+                req_reads.append(read)
         self._by_step[step_id] = reads
         self._hit_rows[step_id] = hit_rows
 
@@ -554,6 +601,9 @@ class HitReads:
         self._hit_rows.pop(step_id, None)
         by_request = self._by_step.pop(step_id, None)
         if by_request:
+            if not self._by_step:
+                self._reads.clear()  # no other step carries reads: every read was this step's
+                return
             for reads in by_request.values():
                 for read in reads:
                     self._reads.pop(read.plan.read_id, None)
@@ -594,6 +644,18 @@ class HitReads:
         if not self._start_hit_lo.keys() <= self._start_hits.keys():
             raise InvariantError("a resume's first hit position without its hit")
 
+    def _block_slots(self, block_ids: Iterable[int], count: int) -> SlotArray:
+        """The slots of `count` blocks, block by block."""
+        block_size = self._block_size
+        blocks = np.fromiter(block_ids, dtype=np.int64, count=count)
+        if len(self._block_offsets) < count * block_size:
+            self._block_offsets = np.tile(np.arange(block_size, dtype=np.int64), count)
+        # Each block's first slot repeated, plus each slot's offset in its block: far cheaper
+        # than broadcasting the block's short row of offsets over every block.
+        slots = (blocks * block_size).repeat(block_size)
+        slots += self._block_offsets[: len(slots)]
+        return slots
+
     def _new_read_id(self) -> int:
         read_id = self._next_read_id
         self._next_read_id += 1
@@ -623,11 +685,6 @@ def _limit_task_reads(
 def _tids_of(chunk_limit: tuple[tuple[Tid, int], ...]) -> frozenset[Tid]:
     """The deferred writes a read's chunk limits name."""
     return frozenset(tid for tid, _ in chunk_limit) if chunk_limit else _NO_TIDS
-
-
-def _block_slots(block_ids: Iterable[int], block_size: int) -> SlotArray:
-    blocks = np.fromiter(block_ids, dtype=np.int64)
-    return (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
 
 
 def _member(ordered: SlotArray, values: SlotArray) -> npt.NDArray[np.bool_]:

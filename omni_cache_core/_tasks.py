@@ -278,6 +278,11 @@ class WriteTasks:
         writes = self._requests.get(req_id)
         return writes.open_tid if writes is not None else None
 
+    @property
+    def any_request_writes(self) -> bool:
+        """Whether this unit tracks some request's deferred writes (else `end_request` has none)."""
+        return bool(self._requests)
+
     def requests_with_writes(self) -> set[ReqId]:
         """Requests this unit tracks deferred writes of."""
         return set(self._requests)

@@ -580,3 +580,15 @@ def test_fast_constructors_equal_the_constructors(cls: str, fast: str) -> None:
         assert getattr(built, name) is value is getattr(expected, name)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         setattr(built, next(iter(values)), 0)
+
+
+def test_a_hits_slots_are_each_blocks_run_of_slots() -> None:
+    """A start's hit slots are each block's run of slots, in block order, whatever sizes of
+    hits came before (the offsets behind them are kept between starts)."""
+    from omni_cache_core._reads import HitReads
+
+    hits = HitReads(num_slots=64 * 4, block_size=4, num_blocks=64)
+    for block_ids in ([3], [5, 0, 7], [], list(range(20)), [9, 9], [63]):
+        got = hits._block_slots(iter(block_ids), len(block_ids))
+        assert got.dtype == np.int64
+        assert got.tolist() == [b * 4 + i for b in block_ids for i in range(4)]
