@@ -104,6 +104,7 @@ class HitReads:
     """
 
     __slots__ = (
+        "_blank_rows",
         "_block_offsets",
         "_block_size",
         "_by_step",
@@ -113,6 +114,7 @@ class HitReads:
         "_num_blocks",
         "_reads",
         "_slot_mark",
+        "_start_hit_keys",
         "_start_hit_lo",
         "_start_hit_slots",
         "_start_hits",
@@ -125,9 +127,15 @@ class HitReads:
         self._slot_mark = np.zeros(num_slots, dtype=np.bool_)
         #: Scratch: each slot's offset in its block, over the most blocks a start hit so far.
         self._block_offsets: SlotArray = _EMPTY_SLOTS
+        #: Scratch: read-only step rows (all -1) and writers (all 0) of hit rows, over the most
+        #: hit rows a save planned so far; plans of rows with neither share slices of them.
+        self._blank_rows: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] = _blank_rows(0)
         self._next_read_id = 1
-        # Hits registered by the last start, waiting for the next save: req -> (slots, key -> id).
-        self._start_hits: dict[ReqId, tuple[SlotArray, dict[TensorName, int]]] = {}
+        # Hits registered by the last start, waiting for the next save: req -> (slots, first
+        # read id). A hit's read of key k has id ``first + _start_hit_keys[k]``.
+        self._start_hits: dict[ReqId, tuple[SlotArray, int]] = {}
+        #: Each key the last start's hits read, and its read id's offset from a hit's first.
+        self._start_hit_keys: dict[TensorName, int] = {}
         #: All of those hits' slots in one array, with each hit's bounds in it (derived).
         self._start_hit_slots: tuple[SlotArray, list[int]] = (_EMPTY_SLOTS, [0])
         #: First hit position of those hits that do not start at 0 (a resume reads from the
@@ -287,7 +295,7 @@ class HitReads:
             if first:
                 self._start_hit_lo[req_id] = first
             hit_slots = every[lo:hi]
-            start_hits[req_id] = (hit_slots, {key: ids + j for j, key in numbered})
+            start_hits[req_id] = (hit_slots, ids)
             every_row = ranges.get(hi - lo)  # a hit's rows, read by each key with none pending
             if every_row is None:
                 every_row = ranges[hi - lo] = np.arange(hi - lo)
@@ -302,6 +310,7 @@ class HitReads:
                     slots = hit_slots[positions]
                 effects.append(PrefetchRead._of_registered(ids + j, req_id, key, positions, slots))
         self._start_hit_slots = (every, bounds)
+        self._start_hit_keys = {key: j for j, key in numbered}
         return effects
 
     # -----------------------------------------------------------------------------------------
@@ -444,30 +453,34 @@ class HitReads:
             mark[sv.slots] = True
             any_mine = any_true(mark[every])
             mark[sv.slots] = False
+        n = len(every)
+        if len(self._blank_rows[0]) < n:
+            self._blank_rows = _blank_rows(n)
+        no_step_row, no_writer = self._blank_rows
+        no_writer = no_writer[:n]  # shared by every read of every key without writers
         if any_mine:
             order = np.argsort(sv.slots, kind="stable")
             step_row = _last_row(sv.slots[order], order, every).astype(np.int32)
             mine = step_row >= 0
         else:
-            step_row = np.full(len(every), -1, dtype=np.int32)
-            step_row.setflags(write=False)  # shared by every read of the step
+            step_row = no_step_row[:n]  # shared by every read of the step
             mine = None
         reads: dict[ReqId, list[Read]] = {r: [] for r, _ in hits}
-        n = len(every)
-        no_writer = np.zeros(n, dtype=np.int32)
-        no_writer.setflags(write=False)  # shared by every read of every key without writers
         hit_rows = np.zeros(len(SlotSource), dtype=np.int64)
         # Each read's bounds, list and step rows (a view its keys' plans share) are the same
         # for every key: paired once per step.
         spans = [
-            (req_id, slots, read_ids, lo, hi, reads[req_id], step_row[lo:hi])
-            for (req_id, (slots, read_ids)), lo, hi in zip(
+            (req_id, slots, first_id, lo, hi, reads[req_id], step_row[lo:hi])
+            for (req_id, (slots, first_id)), lo, hi in zip(
                 hits, bounds[:-1], bounds[1:], strict=True
             )
         ]
         by_id = self._reads
+        offsets = self._start_hit_keys
         for key in keys:
             owner, version = owners[key]
+            # The key's read ids are each hit's first plus this; a key no hit read gets new ones.
+            offset = offsets.get(key)
             # The rows owned by an in-flight write (AFTER_WRITE or TASK), None without any.
             in_transit: npt.NDArray[np.bool_] | None = None
             missing = None
@@ -494,8 +507,8 @@ class HitReads:
             preserved = np.zeros(n, dtype=np.bool_)  # sliced per read: one allocation
             if in_transit is None and missing is None:
                 # The usual key: no read waits for a writer or lacks a row; nothing else to set.
-                for req_id, slots, read_ids, lo, hi, req_reads, read_step_row in spans:
-                    read_id = read_ids.get(key) or self._new_read_id()
+                for req_id, slots, first_id, lo, hi, req_reads, read_step_row in spans:
+                    read_id = first_id + offset if offset is not None else self._new_read_id()
                     read = Read(
                         ReadPlan._of_planned(
                             read_id,
@@ -515,7 +528,7 @@ class HitReads:
                     by_id[read_id] = read
                     req_reads.append(read)
                 continue
-            for i, (req_id, slots, read_ids, lo, hi, req_reads, read_step_row) in enumerate(spans):
+            for i, (req_id, slots, first_id, lo, hi, req_reads, read_step_row) in enumerate(spans):
                 read_writer = writer[lo:hi]
                 read_source = source[lo:hi]
                 reads_writers = in_transit is not None and any_true(in_transit[lo:hi])
@@ -523,7 +536,7 @@ class HitReads:
                     chunk_limit, error = _limit_task_reads(read_writer, read_source, chunks_of)
                 else:
                     chunk_limit, error = (), None
-                read_id = read_ids.get(key) or self._new_read_id()
+                read_id = first_id + offset if offset is not None else self._new_read_id()
                 read = Read(
                     ReadPlan._of_planned(
                         read_id,
@@ -617,8 +630,12 @@ class HitReads:
             self._next_read_id,
             tuple(sorted(self._start_hit_lo.items())),
             tuple(
-                (r, tuple(s.tolist()), tuple(sorted(ids.items())))
-                for r, (s, ids) in sorted(self._start_hits.items())
+                (
+                    r,
+                    tuple(s.tolist()),
+                    tuple(sorted((k, first + j) for k, j in self._start_hit_keys.items())),
+                )
+                for r, (s, first) in sorted(self._start_hits.items())
             ),
             tuple(sorted(self._lost_hits)),
             tuple(read.canonical() for _, read in sorted(self._reads.items())),
@@ -660,6 +677,15 @@ class HitReads:
         read_id = self._next_read_id
         self._next_read_id += 1
         return read_id
+
+
+def _blank_rows(n: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Read-only step rows of none (-1) and writers of none (0), `n` of each."""
+    step_rows = np.full(n, -1, dtype=np.int32)
+    writers = np.zeros(n, dtype=np.int32)
+    step_rows.setflags(write=False)
+    writers.setflags(write=False)
+    return step_rows, writers
 
 
 def _limit_task_reads(
