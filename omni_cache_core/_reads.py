@@ -505,29 +505,6 @@ class HitReads:
                 if key == HIDDEN_KEY and counts[_ZEROS]:
                     missing = np.add.reduceat(source == _ZEROS, bounds[:-1])
             preserved = np.zeros(n, dtype=np.bool_)  # sliced per read: one allocation
-            if in_transit is None and missing is None:
-                # The usual key: no read waits for a writer or lacks a row; nothing else to set.
-                for req_id, slots, first_id, lo, hi, req_reads, read_step_row in spans:
-                    read_id = first_id + offset if offset is not None else self._new_read_id()
-                    read = Read(
-                        ReadPlan._of_planned(
-                            read_id,
-                            req_id,
-                            key,
-                            slots,
-                            source[lo:hi],
-                            writer[lo:hi],
-                            (),
-                            read_step_row,
-                            preserved[lo:hi],
-                        ),
-                        step_id,
-                        version[lo:hi],
-                        False,
-                    )
-                    by_id[read_id] = read
-                    req_reads.append(read)
-                continue
             for i, (req_id, slots, first_id, lo, hi, req_reads, read_step_row) in enumerate(spans):
                 read_writer = writer[lo:hi]
                 read_source = source[lo:hi]
