@@ -250,10 +250,10 @@ class ConsumePath:
             spans = np.array([ctx.req_rows[req] for req in plain], dtype=np.int64).reshape(-1, 2)
             lengths = spans[:, 1] - spans[:, 0]
             total = int(lengths.sum())
-            if spans[0, 0] == 0 and (spans[1:, 0] == spans[:-1, 1]).all():
+            if spans[0, 0] == 0 and not np.count_nonzero(spans[1:, 0] != spans[:-1, 1]):
                 positions = np.arange(total, dtype=np.int64)  # one run from the first row
             else:
-                offsets = np.cumsum(lengths) - lengths
+                offsets = lengths.cumsum() - lengths
                 positions = np.arange(total, dtype=np.int64) + np.repeat(
                     spans[:, 0] - offsets, lengths
                 )
@@ -415,7 +415,7 @@ class ConsumePath:
         if self._state.faults.hooks:
             return False
         sources = [read.source for read in reads]
-        return not sources or int(np.concatenate(sources).max(initial=0)) <= _LAST_POOL_SOURCE
+        return not sources or not np.count_nonzero(np.concatenate(sources) > _LAST_POOL_SOURCE)
 
     def _plain_prefix(self, out: torch.Tensor, read: ReadPlan, record: ReadRecord | None) -> None:
         """A hit prefix read only from pool rows: one gather, then its preserved rows laid over

@@ -490,7 +490,7 @@ def _shadowed_rows(
         return np.zeros(0, dtype=np.intp)
     if blocks is not None:
         heads = np.sort(blocks)
-        if (heads[1:] != heads[:-1]).all():
+        if not np.count_nonzero(heads[1:] == heads[:-1]):
             return np.zeros(0, dtype=np.intp)
     elif n > _SORT_CHECK_MAX_ROWS:
         breaks = np.flatnonzero(np.diff(slots) != 1) + 1
@@ -502,7 +502,7 @@ def _shadowed_rows(
             if (low[order][1:] >= (low + lengths)[order][:-1]).all():
                 return np.zeros(0, dtype=np.intp)
     ordered = np.sort(slots)
-    if (ordered[1:] != ordered[:-1]).all():
+    if not np.count_nonzero(ordered[1:] == ordered[:-1]):
         return np.zeros(0, dtype=np.intp)
     order = np.argsort(slots, kind="stable")
     ordered = slots[order]

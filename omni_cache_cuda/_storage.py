@@ -161,7 +161,7 @@ def empty_rows(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def row_bytes(rows: torch.Tensor) -> np.ndarray:
     """A contiguous host tensor's rows as a ``(rows, row_bytes)`` uint8 numpy view (no copy)."""
-    flat = rows.reshape(len(rows), -1)
+    flat = rows.reshape(rows.shape[0], -1)  # `len` of a tensor is a Python call in torch
     return flat.view(torch.uint8).numpy()
 
 
@@ -185,7 +185,10 @@ def whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
         return None
     by_block = slots.reshape(-1, block_size)
     heads = by_block[:, 0]
-    if (heads % block_size).any() or not (by_block - heads[:, None] == np.arange(block_size)).all():
+    # Counts, not `any`/`all`: those go through numpy's Python-level wrappers first.
+    if np.count_nonzero(heads % block_size) or np.count_nonzero(
+        by_block - heads[:, None] != np.arange(block_size)
+    ):
         return None
     return heads // block_size
 
