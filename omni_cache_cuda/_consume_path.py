@@ -254,8 +254,8 @@ class ConsumePath:
                 positions = np.arange(total, dtype=np.int64)  # one run from the first row
             else:
                 offsets = lengths.cumsum() - lengths
-                positions = np.arange(total, dtype=np.int64) + np.repeat(
-                    spans[:, 0] - offsets, lengths
+                positions = np.arange(total, dtype=np.int64) + (spans[:, 0] - offsets).repeat(
+                    lengths
                 )
             base = empty_rows((total, shape.width), shape.dtype)
             self._own_rows(ctx, key, positions, base)
