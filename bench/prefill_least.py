@@ -22,12 +22,11 @@ What `LeastPrefill` does per cycle, all on the calling thread:
   more fresh buffer; every request's rows handed out as a view of those buffers.
 
 So its copies are the library's, and its outputs, like the library's, are new memory every
-cycle: the caller keeps them. `copy1` gathers into buffers it reuses; the difference is what
-fresh memory costs, which no cache can avoid. What it leaves out, all of which the library
-does: every check of its input, the request records and their lifecycle (DLV), the core's save
-and consume transactions, the hit plans and their protection (HIT-4, HIT-6), the state lock,
-the write's reports, stats and metrics. So its figure is a floor: a correct cache does at least
-this.
+cycle: the caller keeps them (`copy1` gathers into buffers it reuses). What it leaves out, all
+of which the library does: every check of its input, the slots' private copy (STEP-3), the
+request records and their lifecycle (DLV), the core's save and consume transactions, the hit
+plans and their protection (HIT-4, HIT-6), the state lock, the write's reports, stats and
+metrics. So its figure is a floor: a correct cache does at least this.
 
 Both run the same cycles, in alternating rounds of fresh caches, inline (every copy on the one
 thread; the library with its hit prefetch off, as the drop-in worker runs on the CPU, and on).
