@@ -286,6 +286,54 @@ def prefill_warm_cycle() -> PrefillCycle:
     return PrefillCycle(step, layout, ["warm"], torch.zeros(0, dtype=torch.int64), 0.0)
 
 
+class PrefillRecords(NamedTuple):
+    """A prefill step's records, as `prefill_records` makes them."""
+
+    events: list[PrefixCacheRequestEvent]
+    scheduled: dict[str, int]
+    computed: dict[str, int]
+    block_ids: dict[str, list[int]]
+    #: The pool slots of every hit row, request by request.
+    hit_slots: list[int]
+
+
+def prefill_records(
+    ended: list[str],
+    reqs: list[str],
+    own_blocks: list[list[int]],
+    shared: list[int],
+    tokens: int,
+    hit_tokens: int,
+) -> PrefillRecords:
+    """The records of a prefill step: ``ended`` finish, then each of ``reqs`` starts on its
+    ``own_blocks``; the even ones start with a ``hit_tokens`` hit on the ``shared`` blocks
+    (written from slot 0), which take the place of their first blocks, and compute the rest of
+    their ``tokens``."""
+    events = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in ended]
+    scheduled: dict[str, int] = {}
+    computed: dict[str, int] = {}
+    block_ids: dict[str, list[int]] = {}
+    hit_slots: list[int] = []
+    for i, (r, own) in enumerate(zip(reqs, own_blocks, strict=True)):
+        if i % 2 == 0:
+            block_ids[r] = shared + own[len(shared) :]
+            computed[r], scheduled[r] = hit_tokens, tokens - hit_tokens
+            hit_slots.extend(range(hit_tokens))
+        else:
+            block_ids[r] = own
+            computed[r], scheduled[r] = 0, tokens
+        events.append(
+            PrefixCacheRequestEvent(
+                req_id=r,
+                kind=STARTED,
+                hit_end=computed[r],
+                block_ids=block_ids[r],
+                scheduled_tokens=scheduled[r],
+            )
+        )
+    return PrefillRecords(events, scheduled, computed, block_ids, hit_slots)
+
+
 def prefill_cycles(count: int) -> Iterator[PrefillCycle]:
     """``count`` prefill steps of 16 requests x 512 tokens, the even ones starting with a
     256-token hit on the shared prefix; each step ends the previous step's requests."""
@@ -295,39 +343,20 @@ def prefill_cycles(count: int) -> Iterator[PrefillCycle]:
     next_block = hit_blocks
     for s in range(count):
         reqs = [f"p{s}_{i}" for i in range(16)]
-        events = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in prev]
-        scheduled: dict[str, int] = {}
-        computed: dict[str, int] = {}
-        block_ids: dict[str, list[int]] = {}
-        hit_slots: list[int] = []
-        for i, r in enumerate(reqs):
+        own_blocks: list[list[int]] = []
+        for _ in reqs:
             if next_block + blocks_per_req > NUM_BLOCKS:
                 next_block = hit_blocks  # recycle every block but the shared prefix
-            own = list(range(next_block, next_block + blocks_per_req))
+            own_blocks.append(list(range(next_block, next_block + blocks_per_req)))
             next_block += blocks_per_req
-            if i % 2 == 0:
-                block_ids[r] = _SHARED_BLOCKS + own[hit_blocks:]
-                computed[r], scheduled[r] = 256, 256
-                hit_slots.extend(range(hit_blocks * BLOCK_SIZE))
-            else:
-                block_ids[r] = own
-                computed[r], scheduled[r] = 0, 512
-            events.append(
-                PrefixCacheRequestEvent(
-                    req_id=r,
-                    kind=STARTED,
-                    hit_end=computed[r],
-                    block_ids=block_ids[r],
-                    scheduled_tokens=scheduled[r],
-                )
-            )
-        step = PrefixCacheStep(events=events, scheduled_tokens=scheduled)
+        records = prefill_records(prev, reqs, own_blocks, _SHARED_BLOCKS, 512, 256)
+        step = PrefixCacheStep(events=records.events, scheduled_tokens=records.scheduled)
         t0 = time.perf_counter()
         layout = PrefixCacheWriteLayout.from_block_tables(
-            reqs, scheduled, computed, block_ids, BLOCK_SIZE
+            reqs, records.scheduled, records.computed, records.block_ids, BLOCK_SIZE
         )
         layout_s = time.perf_counter() - t0
-        yield PrefillCycle(step, layout, reqs, torch.tensor(hit_slots), layout_s)
+        yield PrefillCycle(step, layout, reqs, torch.tensor(records.hit_slots), layout_s)
         prev = reqs
 
 

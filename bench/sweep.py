@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from adapter_step import scatter_rows
+from adapter_step import prefill_records, scatter_rows
 
 from omni_cache_cuda import (
     OmniPrefixCacheManager,
@@ -215,35 +215,18 @@ def prefill(requests: int, width: int, steps: int, warmup: int, mode: Mode = INL
         for s in range(warmup + steps):
             reqs = [f"p{s}_{i}" for i in range(requests)]
             base = 1 + (s % 2) * requests * blocks_per_req
-            events = [PrefixCacheRequestEvent(req_id=r, kind=FINISHED) for r in prev]
-            scheduled: dict[str, int] = {}
-            computed: dict[str, int] = {}
-            block_ids: dict[str, list[int]] = {}
-            hit_slots: list[int] = []
-            for i, r in enumerate(reqs):
-                own = list(range(base + i * blocks_per_req, base + (i + 1) * blocks_per_req))
-                if i % 2 == 0:
-                    block_ids[r] = shared + own[1:]
-                    computed[r], scheduled[r] = HIT_TOKENS, PREFILL_TOKENS - HIT_TOKENS
-                    hit_slots.extend(range(HIT_TOKENS))
-                else:
-                    block_ids[r] = own
-                    computed[r], scheduled[r] = 0, PREFILL_TOKENS
-                events.append(
-                    PrefixCacheRequestEvent(
-                        req_id=r,
-                        kind=STARTED,
-                        hit_end=computed[r],
-                        block_ids=block_ids[r],
-                        scheduled_tokens=scheduled[r],
-                    )
-                )
+            own_blocks = [
+                list(range(base + i * blocks_per_req, base + (i + 1) * blocks_per_req))
+                for i in range(requests)
+            ]
+            records = prefill_records(prev, reqs, own_blocks, shared, PREFILL_TOKENS, HIT_TOKENS)
+            scheduled, hit_slots = records.scheduled, records.hit_slots
             t0 = time.thread_time()
             layout = PrefixCacheWriteLayout.from_block_tables(
-                reqs, scheduled, computed, block_ids, BLOCK_SIZE
+                reqs, scheduled, records.computed, records.block_ids, BLOCK_SIZE
             )
             lay = time.thread_time() - t0
-            step = PrefixCacheStep(events=events, scheduled_tokens=scheduled)
+            step = PrefixCacheStep(events=records.events, scheduled_tokens=scheduled)
             c = _cycle(m, step, rows, computed_rows, layout, reqs)
             k = buffers.copies(rows, layout.slots_cpu, torch.tensor(hit_slots, dtype=torch.int64))
             if s >= warmup:
