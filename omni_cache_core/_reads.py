@@ -175,7 +175,9 @@ class HitReads:
             [
                 (
                     read.plan.read_id,
-                    _tids_of(limit) if (limit := read.plan.chunk_limit) else _NO_TIDS,
+                    frozenset(tid for tid, _ in limit)
+                    if (limit := read.plan.chunk_limit)
+                    else _NO_TIDS,
                 )
                 for rs in reads.values()
                 for read in rs
@@ -683,11 +685,6 @@ def _limit_task_reads(
         else:
             limits.append((Tid(tid), chunks))
     return tuple(limits), error
-
-
-def _tids_of(chunk_limit: tuple[tuple[Tid, int], ...]) -> frozenset[Tid]:
-    """The deferred writes a read's chunk limits name."""
-    return frozenset(tid for tid, _ in chunk_limit) if chunk_limit else _NO_TIDS
 
 
 def _member(ordered: SlotArray, values: SlotArray) -> npt.NDArray[np.bool_]:
