@@ -64,6 +64,7 @@ from adapter_step import (
     CopyBaseline,
     PrefillCycle,
     bench_prefill,
+    make_manager,
     prefill_cycles,
     prefill_rows,
     prefill_warm_cycle,
@@ -170,8 +171,6 @@ def check_least(width: int) -> None:
     Raises:
         AssertionError: It does not, so its figure would not be a prefill cycle's work.
     """
-    from adapter_step import make_manager
-
     rows, warm_rows = prefill_rows(width)
     cache = LeastPrefill(width)
     with make_manager(False, prefetch=False) as m:
