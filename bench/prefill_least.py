@@ -29,7 +29,7 @@ plans and their protection (HIT-4, HIT-6), the state lock, the write's reports, 
 metrics. So its figure is a floor: a correct cache does at least this.
 
 Both run the same cycles, in alternating rounds of fresh caches, inline (every copy on the one
-thread; the library with its hit prefetch off, as the drop-in worker runs on the CPU, and on).
+thread; the library with its hit prefetch off, as a CPU manager runs by default, and on).
 Per cycle they are timed as `adapter_step.py` times them (process CPU), and the copy baseline
 runs on the same step right after (`adapter_step.CopyBaseline`). The script prints, per cache,
 the median of its quietest round: the cycle, `copy1`, their ratio and the cycle less `copy1`.

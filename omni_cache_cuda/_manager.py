@@ -57,6 +57,9 @@ __all__ = ["OmniPrefixCacheManager"]
 
 #: How long `shutdown` waits for the committer thread (FAIL-4).
 _SHUTDOWN_JOIN_S = 5.0
+#: Whether a CPU manager prefetches hits when not told (D38). The tests set it, so that every
+#: manager they build on the CPU exercises the prefetch's paths as a CUDA manager would.
+PREFETCH_ON_CPU = False
 
 
 class OmniPrefixCacheManager:
@@ -73,8 +76,9 @@ class OmniPrefixCacheManager:
             (False). None: threaded on CUDA, inline on the CPU. Both give identical results.
         prefetch: Start hit gathers at `new_step_starts`, overlapping the forward (HIT-7),
             for each hit read of at least 512 KiB (one request's prefix rows of one key);
-            smaller reads cost the engine thread less gathered at the consume. Results are
-            identical either way.
+            smaller reads cost the engine thread less gathered at the consume. None: on
+            CUDA only (on the CPU the forward has the cores a gather thread would take,
+            DESIGN D38). Results are identical either way.
 
     Observability: `stats` returns the counters (`omni_cache_cuda.metrics` exports them to
     Prometheus); the ``omni_cache`` logger gets a line for each cached key's first allocation,
@@ -95,7 +99,7 @@ class OmniPrefixCacheManager:
         policy: ModelCachePolicy | None = None,
         device: str | torch.device | None = None,
         threaded: bool | None = None,
-        prefetch: bool = True,
+        prefetch: bool | None = None,
     ) -> None:
         if not isinstance(config, PrefixCacheConfig):
             raise BadInputError(
@@ -120,7 +124,7 @@ class OmniPrefixCacheManager:
             cache_id=cache_id,
             ranges=ranges_for(self.device),
             flush_log=RateLimit(BUDGET_FLUSH_LOG_INTERVAL_S),
-            prefetch=prefetch,
+            prefetch=(cuda or PREFETCH_ON_CPU) if prefetch is None else bool(prefetch),
         )
         self._state = state
         # The paths hold the state, never the manager: a dropped manager is collected at once.

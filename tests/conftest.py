@@ -49,7 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _prefetch_every_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Managers prefetch hit reads of any size, not only those of 512 KiB and more (D34).
+    """Managers prefetch hit reads of any size, not only those of 512 KiB and more (D34), and
+    on the CPU too (D38).
 
     The tests' rows are a few bytes wide: at the library's threshold no hit of theirs would
     reach the prefetch worker, and HIT-7's paths (a prefetched prefix, a failed prefetch, a
@@ -60,10 +61,14 @@ def _prefetch_every_hit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _prefetch_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Set the adapter's prefetch threshold to 0 for this test, if the adapter is loaded."""
+    """Set the adapter's prefetch threshold to 0 for this test, and CPU managers to prefetch
+    unless told not to (D38), if the adapter is loaded."""
     effects = sys.modules.get("omni_cache_cuda._effects")
     if effects is not None:
         monkeypatch.setattr(effects, "PREFETCH_MIN_BYTES", 0)
+    manager = sys.modules.get("omni_cache_cuda._manager")
+    if manager is not None:
+        monkeypatch.setattr(manager, "PREFETCH_ON_CPU", True)
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from omni_cache_cuda import (
     WriteFailedError,
 )
 from omni_cache_cuda import _effects as effects_module
+from omni_cache_cuda import _manager as manager_module
 from omni_cache_cuda._committer import copy_in_pieces
 from tests.adapter_helpers import (
     BLOCK,
@@ -44,6 +45,7 @@ from tests.adapter_helpers import (
     Engine,
     Workload,
     assert_rows,
+    config,
     encode,
     make_manager,
     policy,
@@ -976,3 +978,25 @@ def test_hit_7_only_reads_of_the_prefetch_threshold_and_more_are_prefetched(
     out = engine.materialize(engine.step({"b": 1}, emit=(MM,)))  # checks every row handed out
     assert submitted == [HIDDEN_KEY]
     assert out.hidden_states["b"].shape[0] == 9 and out.mm_outputs[MM]["b"].shape[0] == 9
+
+
+@pytest.mark.parametrize("prefetch", [None, True, False])
+def test_hit_7_a_cpu_manager_prefetches_only_when_told(
+    prefetch: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU the prefetch is off unless asked for (D38): no worker, and the consume
+    gathers every hit itself; asked for, the worker gathers them (HIT-7). The rows handed out
+    are the oracle's either way."""
+    monkeypatch.setattr(manager_module, "PREFETCH_ON_CPU", False)  # the library's default
+    kwargs = {} if prefetch is None else {"prefetch": prefetch}
+    with OmniPrefixCacheManager(config(), policy=policy(), device="cpu", **kwargs) as manager:
+        assert (manager._state.prefetcher is not None) is bool(prefetch)
+        engine = Engine(manager)
+        engine.start("a", [0, 1, 2])
+        engine.materialize(engine.step({"a": 4}, emit=(MM,)))
+        engine.materialize(engine.step({"a": 4}, emit=(MM,)))
+        engine.finish("a")
+        settle(manager)
+        engine.start("b", [0, 1, 3], hit_end=8)
+        out = engine.materialize(engine.step({"b": 1}, emit=(MM,)))  # checks every row
+        assert out.hidden_states["b"].shape[0] == 9

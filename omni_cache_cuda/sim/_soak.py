@@ -327,10 +327,14 @@ def _policy() -> ModelCachePolicy:
 
 def _manager(options: SoakOptions) -> OmniPrefixCacheManager:
     manager = OmniPrefixCacheManager(
-        _config(), policy=_policy(), device=options.device, threaded=not options.inline
+        _config(),
+        policy=_policy(),
+        device=options.device,
+        threaded=not options.inline,
+        prefetch=True,
     )
-    # The soak's rows are a few bytes wide: every hit is prefetched, so that the prefetch's
-    # paths and its fault point are exercised (HIT-7, D34).
+    # The soak's rows are a few bytes wide: every hit is prefetched, on the CPU too, so that
+    # the prefetch's paths and its fault point are exercised (HIT-7, D34, D38).
     manager._effects.prefetch_min_bytes = 0
     return manager
 

@@ -294,7 +294,7 @@ class VllmPrefixCache:
         policy: ModelCachePolicy | None = None,
         device: str | torch.device | None = None,
         threaded: bool | None = None,
-        prefetch: bool = True,
+        prefetch: bool | None = None,
         kv_group: int | None = None,
     ) -> VllmPrefixCache:
         """Build the cache a vLLM worker needs, refusing what it cannot serve correctly.

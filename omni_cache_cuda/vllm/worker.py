@@ -55,15 +55,11 @@ class HiddenStatesRunnerMixin:
         options = self._omni_cache_options
         sink = resolve_sink(options.sink) if options.sink is not None else None
         runner: Any = self
-        # Prefetch overlaps a hit's gather with a GPU forward; on the CPU the forward already
-        # has every core, and a gather thread would only contend for them and for the
-        # interpreter lock (bench/vllm_engine.py, DESIGN D21).
         cache = VllmPrefixCache.from_vllm_config(
             runner.vllm_config,
             kv_cache_config,
             policy=ModelCachePolicy.from_model(runner.model),
             device=runner.device,
-            prefetch=runner.device.type != "cpu",
         )
         try:
             self.omni_cache_export = HiddenStatesExport(cache, sink_dir=options.sink_dir, sink=sink)
