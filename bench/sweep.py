@@ -112,11 +112,12 @@ class Buffers:
 
 @dataclass(frozen=True)
 class Mode:
-    """How the manager of a point runs: `sweep.py` uses inline managers with the prefetch on;
-    `sweep_compare.py` can ask for threaded ones, or none with the hit prefetch."""
+    """How the manager of a point runs: `sweep.py` uses inline managers with the CPU's default,
+    no hit prefetch (DESIGN D38); `sweep_compare.py` can ask for threaded ones, and sets the
+    prefetch on or off (older trees prefetch by default)."""
 
     threaded: bool = False
-    prefetch: bool = True
+    prefetch: bool | None = None
 
 
 INLINE = Mode()

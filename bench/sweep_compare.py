@@ -9,8 +9,8 @@ the median of the per-round ratios of the cycles (this tree / revision).
 
 Points are ``KIND:REQUESTS:WIDTH`` (`prefill` or `decode`, as in `sweep.py`); `--threaded` runs
 them on threaded managers instead of `sweep.py`'s inline ones (threaded mode's steps under
-2 MiB go through a staging page), `--no-prefetch` on managers without the hit prefetch (as the
-drop-in vLLM worker runs on the CPU).
+2 MiB go through a staging page), `--no-prefetch` on managers without the hit prefetch (as a
+CPU manager runs by default since DESIGN D38; without it both trees prefetch).
 
 Run from the repository root: python bench/sweep_compare.py REV [--points P,..] [--rounds R]
 [--steps N] [--threaded] [--no-prefetch]
