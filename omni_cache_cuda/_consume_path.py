@@ -163,12 +163,13 @@ class ConsumePath:
                 rows_of[req] = (start, end)
 
         hit_keys = {key for _, key in reads}
+        shared = _StepIndex(ctx)
 
         def merged(key: TensorName) -> dict[str, torch.Tensor]:
             if key in ctx.own:
                 if key in hit_keys or len(wanted) != len(ctx.req_rows):
                     return self._merged_from_pool(
-                        key, ctx, (reads, records, current), wanted, skips, takes
+                        key, ctx, (reads, records, current), wanted, (skips, takes), shared
                     )
                 # D27: every request, none with a hit: the step's rows in one gather, in layout
                 # order, then handed out as a page's rows are.
@@ -231,39 +232,33 @@ class ConsumePath:
             Mapping[TensorName, torch.Tensor],
         ],
         wanted: tuple[str, ...],
-        skips: Mapping[str, int],
-        takes: Mapping[str, int],
+        cuts: tuple[Mapping[str, int], Mapping[str, int]],
+        shared: _StepIndex,
     ) -> dict[str, torch.Tensor]:
         """Each wanted request's rows of a key the step wrote straight to the pool (D27).
 
         Every returned row is copied once: the rows of the requests without a hit in one
         gather from the pool, each hit request's prefix and own rows straight into its buffer.
         ``sources`` are the hit reads by (request, key), their records and the step's other
-        rows; ``skips`` and ``takes`` cut rows off each request's front and back (DLV-2, SPEC-1).
+        rows; ``cuts`` are the rows to cut off each request's front and back (DLV-2, SPEC-1);
+        ``shared`` the step's gather indexes, which its keys share (D39).
         """
         reads, records, current = sources
+        skips, takes = cuts
         shape = ctx.shapes[key]
         hit_reads = {req: read for (req, k), read in reads.items() if k == key}
-        plain = [req for req in wanted if req not in hit_reads]
+        plain = tuple(req for req in wanted if req not in hit_reads)
         out: dict[str, torch.Tensor] = {}
         if plain:
-            spans = np.array([ctx.req_rows[req] for req in plain], dtype=np.int64).reshape(-1, 2)
-            lengths = spans[:, 1] - spans[:, 0]
-            total = int(lengths.sum())
-            if spans[0, 0] == 0 and not np.count_nonzero(spans[1:, 0] != spans[:-1, 1]):
-                positions = np.arange(total, dtype=np.int64)  # one run from the first row
-            else:
-                offsets = lengths.cumsum() - lengths
-                positions = np.arange(total, dtype=np.int64) + (spans[:, 0] - offsets).repeat(
-                    lengths
-                )
+            positions, index, lengths = shared.plain(plain)
+            total = len(positions)
             base = empty_rows((total, shape.width), shape.dtype)
-            self._own_rows(ctx, key, positions, base)
+            self._own_rows(ctx, key, positions, base, index)
             # The method, not `torch.split`: the same views without two Python wrappers.
-            pieces = base.view(total, *shape.features).split_with_sizes(lengths.tolist())
+            pieces = base.view(total, *shape.features).split_with_sizes(lengths)
             out.update(zip(plain, pieces, strict=True))
         if hit_reads:
-            self._hit_requests(key, ctx, hit_reads, records, current, out)
+            self._hit_requests(key, ctx, hit_reads, (records, current), out, shared)
         for req, k in skips.items():
             out[req] = out[req][k:]
         for req, take in takes.items():
@@ -275,12 +270,13 @@ class ConsumePath:
         key: TensorName,
         ctx: StepContext,
         hit_reads: Mapping[ReqId, ReadPlan],
-        records: Mapping[int, ReadRecord],
-        current: Mapping[TensorName, torch.Tensor],
+        sources: tuple[Mapping[int, ReadRecord], Mapping[TensorName, torch.Tensor]],
         out: dict[str, torch.Tensor],
+        shared: _StepIndex,
     ) -> None:
         """Each hit request's rows of a key the step wrote to the pool: its prefix, then its own
-        rows, next to each other in a buffer (HIT-3, D27), into ``out``.
+        rows, next to each other in a buffer (HIT-3, D27), into ``out``. ``sources`` are the
+        reads' records and the step's other rows.
 
         A prefill of hundreds of short requests has hundreds of hit requests, so the usual case
         takes no per-row check (`_pool_rows_only`) and no per-request gather where it can: the
@@ -290,6 +286,7 @@ class ConsumePath:
         own rows after, as `_own_rows` does. Any other request (a prefix prefetched in part, a
         plan with other sources, a fault hook) goes through `gather`.
         """
+        records, current = sources
         shape = ctx.shapes[key]
         pool = self._pool.tensors[key]
         slots, req_rows = ctx.slots, ctx.req_rows
@@ -308,7 +305,7 @@ class ConsumePath:
             own_rows.append((start, end, buffer, hit))
             out[req] = buffer.view(len(buffer), *shape.features)
         if together:
-            self._gather_together(key, ctx, together, own_rows, out)
+            self._gather_together(key, together, own_rows, out, shared)
         record = ctx.own[key]
         with record.lock:
             if record.preserved:
@@ -351,10 +348,10 @@ class ConsumePath:
     def _gather_together(
         self,
         key: TensorName,
-        ctx: StepContext,
         together: list[_Together],
         own_rows: list[_OwnRows],
         out: dict[str, torch.Tensor],
+        shared: _StepIndex,
     ) -> None:
         """Hit requests whose prefix and own rows are all pool rows, no prefetch holding any:
         their rows in one gather per group into one buffer, each request's prefix and own rows
@@ -366,7 +363,7 @@ class ConsumePath:
         short requests has hundreds of these: per request, only what it needs is made (its
         view, and its prefix's only where a record wants it).
         """
-        shape = ctx.shapes[key]
+        shape = shared.ctx.shapes[key]
         pool = self._pool.tensors[key]
         max_rows = _TOGETHER_MAX_BYTES // (shape.width * pool.element_size())
         hits = [len(read.slots) for _, read, _, _, _ in together]
@@ -379,18 +376,12 @@ class ConsumePath:
                 rows += sizes[last]
                 last += 1
             group = together[first:last]
-            index = np.concatenate(
-                [
-                    part
-                    for _, read, _, start, end in group
-                    for part in (read.slots, ctx.slots[start:end])
-                ]
-            )
+            index = shared.together(group)
             base = empty_rows((len(index), shape.width), shape.dtype)
             group_sizes = sizes[first:last]
             with self._state.ranges("omni_cache.hit_gather"):
                 try:
-                    torch.index_select(pool, 0, torch.from_numpy(index), out=base)
+                    torch.index_select(pool, 0, index, out=base)
                 except Exception:
                     for (_, read, record, _, _), piece in zip(
                         group, torch.split(base, group_sizes), strict=True
@@ -430,16 +421,24 @@ class ConsumePath:
                 _close_read(record, out)
 
     def _own_rows(
-        self, ctx: StepContext, key: TensorName, positions: np.ndarray, out: torch.Tensor
+        self,
+        ctx: StepContext,
+        key: TensorName,
+        positions: np.ndarray,
+        out: torch.Tensor,
+        index: torch.Tensor | None = None,
     ) -> None:
         """Fill ``out`` with the step's rows at ``positions``, read from the pool (D27, STEP-3).
 
-        Rows a later write took were copied into the step's record before that write (and
-        rows that never reached their slot at the save); they win, the earliest copy first.
-        As for a hit (HIT-6), they are laid over the gathered rows under the record's lock.
+        ``index``: their slots, when the caller has them (`_StepIndex.plain`). Rows a later
+        write took were copied into the step's record before that write (and rows that never
+        reached their slot at the save); they win, the earliest copy first. As for a hit
+        (HIT-6), they are laid over the gathered rows under the record's lock.
         """
         pool = self._pool.tensors[key]
-        torch.index_select(pool, 0, torch.from_numpy(ctx.slots[positions]), out=out)
+        if index is None:
+            index = torch.from_numpy(ctx.slots[positions])
+        torch.index_select(pool, 0, index, out=out)
         record = ctx.own[key]
         with record.lock:
             _lay_over(record, positions, out)
@@ -583,6 +582,62 @@ class ConsumePath:
 
 #: A hit request `ConsumePath._gather_together` serves: its id, read, record and own rows' range.
 _Together = tuple[str, ReadPlan, ReadRecord | None, int, int]
+
+
+class _StepIndex:
+    """The pool slots a consume's gathers read, worked out once per step for all its keys (D39).
+
+    Every key of a step was written at the step's slots, and a hit's reads of its keys plan
+    the same slots (one array): so the rows of the requests without a hit, and a group of hit
+    requests' prefixes and own rows, are gathered by every key at the same index. A group is
+    known by its requests' reads' slot arrays and own rows: a key whose reads hold other
+    arrays gets an index of its own. Lives for one build, while the plan holds those arrays.
+    """
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self._plain: dict[tuple[str, ...], tuple[np.ndarray, torch.Tensor, list[int]]] = {}
+        self._together: dict[tuple[tuple[int, int, int], ...], torch.Tensor] = {}
+
+    def plain(self, reqs: tuple[str, ...]) -> tuple[np.ndarray, torch.Tensor, list[int]]:
+        """``reqs``' rows of the step in order: their positions, slots and row counts."""
+        got = self._plain.get(reqs)
+        if got is None:
+            ctx = self.ctx
+            spans = np.array([ctx.req_rows[req] for req in reqs], dtype=np.int64).reshape(-1, 2)
+            lengths = spans[:, 1] - spans[:, 0]
+            total = int(lengths.sum())
+            if spans[0, 0] == 0 and not np.count_nonzero(spans[1:, 0] != spans[:-1, 1]):
+                positions = np.arange(total, dtype=np.int64)  # one run from the first row
+            else:
+                offsets = lengths.cumsum() - lengths
+                positions = np.arange(total, dtype=np.int64) + (spans[:, 0] - offsets).repeat(
+                    lengths
+                )
+            got = self._plain[reqs] = (
+                positions,
+                torch.from_numpy(ctx.slots[positions]),
+                lengths.tolist(),
+            )
+        return got
+
+    def together(self, group: list[_Together]) -> torch.Tensor:
+        """The slots of a group of hit requests: each one's prefix, then its own rows."""
+        known = tuple((id(read.slots), start, end) for _, read, _, start, end in group)
+        index = self._together.get(known)
+        if index is None:
+            slots = self.ctx.slots
+            index = self._together[known] = torch.from_numpy(
+                np.concatenate(
+                    [
+                        part
+                        for _, read, _, start, end in group
+                        for part in (read.slots, slots[start:end])
+                    ]
+                )
+            )
+        return index
+
 
 #: A hit request's own rows in its buffer: ``(start, end, buffer, lo)``, the step's rows
 #: ``[start, end)`` held at ``buffer[lo : lo + end - start]`` (sliced only if laid over).
