@@ -23,13 +23,19 @@ cycle's ratio to its copies against bytes per step. `decode` and `prefill` take 
 threaded manager, or one without the hit prefetch (`sweep_compare.py --threaded`,
 `--no-prefetch`).
 
+`--gc off` (or `frozen`, after `gc.freeze()`) runs the points without Python's cyclic collector
+(or with the objects made before them frozen), to show what its collections cost a step that
+makes many tracked objects.
+
 Run: python bench/sweep.py [--steps N] [--rounds R] [--widths 1024,4096,8192]
-     [--batches 16,64,256,1024] [--plot docs/sweep.png]
+     [--batches 16,64,256,1024] [--kinds decode,prefill] [--gc on|off|frozen]
+     [--plot docs/sweep.png]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -308,18 +314,36 @@ def main() -> None:
     parser.add_argument("--widths", default="1024,4096,8192")
     parser.add_argument("--batches", default="16,64,256,1024")
     parser.add_argument("--plot", default=None, help="write the figure to this path")
+    parser.add_argument(
+        "--kinds", default="decode,prefill", help="the cycles to run: decode, prefill or both"
+    )
+    parser.add_argument(
+        "--gc",
+        choices=("on", "off", "frozen"),
+        default="on",
+        help="Python's cyclic collector during the points: on, off, or on after gc.freeze()",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.gc == "off":
+        gc.disable()
+    elif args.gc == "frozen":
+        gc.collect()
+        gc.freeze()  # what an engine that freezes its startup objects runs with
     widths = [int(w) for w in args.widths.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     print(
-        f"torch {torch.__version__}, 1 intra-op thread; {args.steps} steps a point, quietest of {args.rounds}"
+        f"torch {torch.__version__}, 1 intra-op thread; {args.steps} steps a point, quietest of "
+        f"{args.rounds}; cyclic collector {args.gc}"
     )
     print(
         f"{'cycle':8} {'requests':>8} {'width':>6} {'MiB':>7} {'cycle ms':>9} {'copy ms':>8} {'x copy':>7} {'fixed ms':>9} {'layout ms':>9}"
     )
     points: list[Point] = []
+    kinds = args.kinds.split(",")
     for kind, bench in (("decode", decode), ("prefill", prefill)):
+        if kind not in kinds:
+            continue
         for requests in batches:
             for width in widths:
                 steps = args.steps if kind == "decode" else max(6, args.steps // 4)
