@@ -968,6 +968,14 @@ def test_hit_7_only_reads_of_the_prefetch_threshold_and_more_are_prefetched(
         return submit(fn, read, *args)
 
     monkeypatch.setattr(manager._state.prefetcher, "submit", spy)
+    out = _serve_an_8_row_hit(manager)
+    assert submitted == [HIDDEN_KEY]
+    assert out.hidden_states["b"].shape[0] == 9 and out.mm_outputs[MM]["b"].shape[0] == 9
+
+
+def _serve_an_8_row_hit(manager: OmniPrefixCacheManager) -> Any:
+    """Request a writes 8 rows and ends; b starts on them and computes one: b's outputs,
+    each row checked against the oracle's."""
     engine = Engine(manager)
     engine.start("a", [0, 1, 2])
     engine.materialize(engine.step({"a": 4}, emit=(MM,)))
@@ -975,9 +983,7 @@ def test_hit_7_only_reads_of_the_prefetch_threshold_and_more_are_prefetched(
     engine.finish("a")
     settle(manager)
     engine.start("b", [0, 1, 3], hit_end=8)
-    out = engine.materialize(engine.step({"b": 1}, emit=(MM,)))  # checks every row handed out
-    assert submitted == [HIDDEN_KEY]
-    assert out.hidden_states["b"].shape[0] == 9 and out.mm_outputs[MM]["b"].shape[0] == 9
+    return engine.materialize(engine.step({"b": 1}, emit=(MM,)))
 
 
 @pytest.mark.parametrize("prefetch", [None, True, False])
@@ -990,13 +996,18 @@ def test_hit_7_a_cpu_manager_prefetches_only_when_told(
     monkeypatch.setattr(manager_module, "PREFETCH_ON_CPU", False)  # the library's default
     kwargs = {} if prefetch is None else {"prefetch": prefetch}
     with OmniPrefixCacheManager(config(), policy=policy(), device="cpu", **kwargs) as manager:
-        assert (manager._state.prefetcher is not None) is bool(prefetch)
-        engine = Engine(manager)
-        engine.start("a", [0, 1, 2])
-        engine.materialize(engine.step({"a": 4}, emit=(MM,)))
-        engine.materialize(engine.step({"a": 4}, emit=(MM,)))
-        engine.finish("a")
-        settle(manager)
-        engine.start("b", [0, 1, 3], hit_end=8)
-        out = engine.materialize(engine.step({"b": 1}, emit=(MM,)))  # checks every row
+        prefetcher = manager._state.prefetcher
+        assert (prefetcher is not None) is bool(prefetch)
+        submitted: list[str] = []
+        if prefetcher is not None:
+            submit = prefetcher.submit
+
+            def spy(fn: Callable[..., Any], read: Any, *args: Any) -> Any:
+                submitted.append(read.key)
+                return submit(fn, read, *args)
+
+            monkeypatch.setattr(prefetcher, "submit", spy)
+        out = _serve_an_8_row_hit(manager)
+        # Every hit read is prefetched when the prefetch is on (the tests' threshold is 0).
+        assert sorted(submitted) == ([HIDDEN_KEY, MM] if prefetch else [])
         assert out.hidden_states["b"].shape[0] == 9
