@@ -293,9 +293,8 @@ class Admissions:
         if steps and carried_by(entry, steps):
             self.state[entry] = _ENDED_CODE
             self.ended.add(entry)
-        else:  # `_release_entry`, inline: a prefill step ends many requests
-            self.state[entry] = _FREE
-            self._free.append(entry)
+        else:
+            self._release_entry(entry)
 
     def check_layout(self, req_ids: tuple[ReqId, ...]) -> Int64Array:
         """Check a save's requests are distinct and running (D9, LIFE-3); return their entries.

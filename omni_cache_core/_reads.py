@@ -199,38 +199,25 @@ class HitReads:
             BadInputError: It is not; nothing changes.
         """
         block_size = self._block_size
-        hit_blocks = block_ids[: hit_end // block_size]
-        # The usual hit passes every check: its blocks' bounds are all it costs.
-        if (
-            hit_blocks
-            and not hit_end % block_size
-            and len(hit_blocks) * block_size == hit_end
-            and min(hit_blocks) >= 0
-            and max(hit_blocks) < self._num_blocks
-        ):
-            return
-
-        def what() -> str:  # HIT-1: every refusal names the request, hit_end and the block size
-            return f"hit of request {req_id!r} (hit_end={hit_end}, block_size={block_size})"
-
         if not block_ids:
             raise BadInputError(
-                what=what(),
+                what=_hit_what(req_id, hit_end, block_size),
                 expected="the request's block ids",
                 got="no block ids",
             )
         if hit_end % block_size:
             raise BadInputError(
-                what=what(),
+                what=_hit_what(req_id, hit_end, block_size),
                 expected=f"hit_end a multiple of block_size={block_size}",
                 got=f"hit_end={hit_end}",
             )
         if hit_end > len(block_ids) * block_size:
             raise BadInputError(
-                what=what(),
+                what=_hit_what(req_id, hit_end, block_size),
                 expected=f"at least {hit_end // block_size} blocks for hit_end={hit_end}",
                 got=f"{len(block_ids)} blocks",
             )
+        hit_blocks = block_ids[: hit_end // block_size]
         if min(hit_blocks) < 0 or max(hit_blocks) >= self._num_blocks:
             raise BadInputError(
                 what=f"block ids of request {req_id!r}",
@@ -656,6 +643,11 @@ class HitReads:
         read_id = self._next_read_id
         self._next_read_id += 1
         return read_id
+
+
+def _hit_what(req_id: ReqId, hit_end: int, block_size: int) -> str:
+    """HIT-1: every refusal of a hit names the request, hit_end and the block size."""
+    return f"hit of request {req_id!r} (hit_end={hit_end}, block_size={block_size})"
 
 
 def _blank_rows(n: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:

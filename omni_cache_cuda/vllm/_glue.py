@@ -515,11 +515,7 @@ class VllmPrefixCache:
         """
         open_step = self._current_step("save")
         # A decode step's layout proves on its way that req_ids are the scheduled requests.
-        layout = (
-            None
-            if open_step.decode is None
-            else self._decode_layout(open_step, req_ids, private=True)
-        )
+        layout = self._decode_layout(open_step, req_ids, private=True)
         if layout is None:
             sched = open_step.scheduled
             if (
