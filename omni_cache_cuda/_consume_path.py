@@ -42,7 +42,6 @@ from omni_cache_cuda._outputs import (
     unpin,
 )
 from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
-from omni_cache_cuda._storage import empty_rows
 
 __all__ = ["ConsumePath"]
 
@@ -135,8 +134,8 @@ class ConsumePath:
         for key in ctx.immediate_keys:
             if key in ctx.own:
                 continue  # D27: no page copy; each returned row is read out of the pool once
-            current[key] = (
-                self._pages.rows(key, ctx.page, n).clone().reshape(n, *ctx.shapes[key].features)
+            current[key] = self._state.outputs.clone(self._pages.rows(key, ctx.page, n)).reshape(
+                n, *ctx.shapes[key].features
             )
         for key, rows in ctx.deferred_rows.items():
             host = leftover.get(key)
@@ -174,7 +173,7 @@ class ConsumePath:
                 # D27: every request, none with a hit: the step's rows in one gather, in layout
                 # order, then handed out as a page's rows are.
                 shape = ctx.shapes[key]
-                rows = empty_rows((ctx.n, shape.width), shape.dtype)
+                rows = self._state.outputs.rows((ctx.n, shape.width), shape.dtype)
                 self._own_rows(ctx, key, np.arange(ctx.n, dtype=np.int64), rows)
                 current[key] = rows.view(ctx.n, *shape.features)
             # The key's rows and each request's range; its views are made when read (OUT-5).
@@ -252,7 +251,7 @@ class ConsumePath:
         if plain:
             positions, index, lengths = shared.plain(plain)
             total = len(positions)
-            base = empty_rows((total, shape.width), shape.dtype)
+            base = self._state.outputs.rows((total, shape.width), shape.dtype)
             self._own_rows(ctx, key, positions, base, index)
             # The method, not `torch.split`: the same views without two Python wrappers.
             pieces = base.view(total, *shape.features).split_with_sizes(lengths)
@@ -338,7 +337,7 @@ class ConsumePath:
                 _close_read(record, buffer, 0, hit)  # the prefix is in it already
             return buffer
         if buffer is None:
-            buffer = empty_rows((hit + tail, shape.width), shape.dtype)
+            buffer = self._state.outputs.rows((hit + tail, shape.width), shape.dtype)
         if plain and not prefetch:
             self._plain_prefix(buffer[:hit], read, record)
         else:
@@ -377,7 +376,7 @@ class ConsumePath:
                 last += 1
             group = together[first:last]
             index = shared.together(group)
-            base = empty_rows((len(index), shape.width), shape.dtype)
+            base = self._state.outputs.rows((len(index), shape.width), shape.dtype)
             group_sizes = sizes[first:last]
             with self._state.ranges("omni_cache.hit_gather"):
                 try:

@@ -48,7 +48,6 @@ from omni_cache_core import (
 from omni_cache_cuda._committer import Chunk, WriteJob
 from omni_cache_cuda._log import log
 from omni_cache_cuda._state import AdapterState, ReadRecord, StepContext
-from omni_cache_cuda._storage import empty_rows
 
 __all__ = ["EffectInterpreter"]
 
@@ -137,7 +136,7 @@ class EffectInterpreter:
         self._state.faults.fire("prefetch", effect)
         with self._state.ranges("omni_cache.hit_prefetch"):
             count = len(effect.slots)
-            out = empty_rows((count + tail, pool_rows.shape[1]), pool_rows.dtype)
+            out = self._state.outputs.rows((count + tail, pool_rows.shape[1]), pool_rows.dtype)
             torch.index_select(pool_rows, 0, torch.from_numpy(effect.slots), out=out[:count])
             return out
 

@@ -191,6 +191,7 @@ class OmniPrefixCacheManager:
             state.start_reads = set()
             state.pool.release()
             state.pages.release()
+            state.outputs.release()
         log(
             logging.INFO if stopped else logging.WARNING,
             "shutdown",
@@ -408,4 +409,5 @@ class OmniPrefixCacheManager:
                 staging_bytes=staging_bytes,
                 host_pinned_bytes=pinned,
                 host_unpinned_bytes=pool_bytes + staging_bytes - pinned,
+                output_bytes_kept=state.outputs.nbytes(),
             )

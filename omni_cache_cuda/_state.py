@@ -42,7 +42,7 @@ from omni_cache_cuda._committer import Committer, Signal, WriteJob
 from omni_cache_cuda._faults import Faults
 from omni_cache_cuda._log import RateLimit
 from omni_cache_cuda._nvtx import RangeFn
-from omni_cache_cuda._storage import HostPool, KeyShape, StagingPages
+from omni_cache_cuda._storage import HostPool, KeyShape, OutputMemory, StagingPages
 
 __all__ = ["AdapterState", "ReadRecord", "StepContext"]
 
@@ -173,6 +173,8 @@ class AdapterState:
             pin=cuda,
             faults=self.faults,
         )
+        # The rows consumes hand out, kept for reuse up to the pages' bytes (D40).
+        self.outputs = OutputMemory(self.pages.nbytes)
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
         self.read_stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
         self.committer = Committer(

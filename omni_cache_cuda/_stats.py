@@ -40,6 +40,8 @@ class CacheStats:
         staging_bytes: Bytes of the staging pages.
         host_pinned_bytes: Bytes of the pool and pages that are pinned (on CUDA).
         host_unpinned_bytes: Bytes of the pool and pages that are not pinned (on the CPU).
+        output_bytes_kept: Bytes of the buffers of returned rows the cache keeps to hand out
+            again once the caller has dropped them, at most ``staging_bytes`` (D40).
     """
 
     steps_saved: int
@@ -62,6 +64,7 @@ class CacheStats:
     staging_bytes: int
     host_pinned_bytes: int
     host_unpinned_bytes: int
+    output_bytes_kept: int
 
 
 @attrs.frozen(kw_only=True)

@@ -1,4 +1,5 @@
-"""Host storage: the pool (one row per KV slot per key) and the staging pages (PAGE-1).
+"""Host storage: the pool (one row per KV slot per key), the staging pages (PAGE-1) and the
+memory of the rows handed out (`OutputMemory`, D40).
 
 Both are allocated per key, at `reserve` or lazily at the key's first save, outside the state
 lock, and installed under it (first install wins). On a CUDA machine they are pinned at their
@@ -15,6 +16,7 @@ import math
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HostPool",
     "KeyShape",
+    "OutputMemory",
     "StagingPages",
     "advise_huge_pages",
     "alloc_host",
@@ -381,3 +384,120 @@ class StagingPages:
         self.buffers = {}
         self._byte_rows = {}
         self._views = {}
+
+
+#: A storage's count of owners in torch: every tensor and view of its memory, and its storage
+#: object (one, whoever holds it). A private torch function; without it nothing is kept.
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _references(kept: list[Any], i: int) -> int:
+    """Python's count of references to ``kept[i]``, this call's own included."""
+    return sys.getrefcount(kept[i])
+
+
+#: `_references` of an object that only its list holds (the call's own references differ
+#: between Python versions, so they are counted once here, the same way).
+_LIST_ONLY = _references([object()], 0)
+
+
+def _let_go(kept: list[torch.UntypedStorage], i: int) -> bool:
+    """Whether nothing refers to the memory of ``kept[i]`` but that list: no tensor or view of
+    it (torch counts them) and no other reference to its storage object, which
+    ``untyped_storage()`` of any of its tensors returns (Python counts those)."""
+    return (
+        _use_count is not None
+        and _use_count(kept[i]._cdata) == 1
+        and _references(kept, i) == _LIST_ONLY
+    )
+
+
+class OutputMemory:
+    """Host buffers for the rows a consume hands out, used again once the caller lets go (D40).
+
+    The rows a consume returns are the caller's: they stay valid, and unchanged, for as long as
+    the caller holds any part of them (OUT-8). A prefill of a thousand requests hands out
+    hundreds of megabytes a step; when the caller drops them, the allocator gives memory that
+    large back to the kernel, which maps and zeroes it afresh for the next step (tens of
+    milliseconds of system time). So buffers of at least ``min_bytes`` are kept here once
+    handed out, and one is handed out again only when nothing refers to its memory but this object
+    (`_let_go`). Sizes are rounded up, by at most a quarter, so that steps of similar sizes
+    share buffers.
+
+    ``limit`` gives the most bytes kept (the manager passes `StagingPages.nbytes`). A new
+    buffer that would take the kept bytes past it makes room by forgetting the buffers the
+    caller has let go of, then those it still holds (they are freed when the caller drops
+    them); one that still does not fit is not kept. Thread-safe: the prefetch worker and the
+    consume take buffers at once.
+    """
+
+    #: The default ``min_bytes``: smaller buffers come from the allocator's own free memory,
+    #: which it keeps.
+    MIN_BYTES = 2 << 20
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._limit = limit
+        self.min_bytes = OutputMemory.MIN_BYTES
+        self._lock = threading.Lock()
+        #: Kept storage objects by size class, oldest first; only these lists refer to them.
+        self._kept: dict[int, list[torch.UntypedStorage]] = {}
+        self._kept_bytes = 0
+
+    def rows(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized, contiguous ``shape`` tensor of ``dtype`` nothing else refers to."""
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        if nbytes < self.min_bytes or _use_count is None:
+            return empty_rows(shape, dtype)
+        size = _size_class(nbytes)
+        with self._lock:
+            kept = self._kept.get(size, [])
+            for i in range(len(kept)):  # by index: a loop variable would refer to it
+                if _let_go(kept, i):
+                    return torch.empty(0, dtype=dtype).set_(kept[i], 0, shape, (shape[1], 1))
+            fresh = empty_rows((size // dtype.itemsize,), dtype)
+            if self._make_room(size):
+                self._kept.setdefault(size, []).append(fresh.untyped_storage())
+                self._kept_bytes += size
+        return fresh[: shape[0] * shape[1]].view(shape)
+
+    def clone(self, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of a 2-D host tensor, in a buffer of `rows` when it is that large."""
+        if rows.numel() * rows.element_size() < self.min_bytes:
+            return rows.clone()
+        out = self.rows((rows.shape[0], rows.shape[1]), rows.dtype)
+        out.copy_(rows)
+        return out
+
+    def _make_room(self, size: int) -> bool:
+        """Forget kept buffers until ``size`` more bytes fit the limit; whether they do."""
+        limit = self._limit()
+        if size > limit:
+            return False
+        for let_go in (True, False):
+            for kept_size in sorted(self._kept, reverse=True):
+                kept = self._kept[kept_size]
+                for i in reversed(range(len(kept))):
+                    if self._kept_bytes + size <= limit:
+                        return True
+                    if _let_go(kept, i) is let_go:
+                        del kept[i]
+                        self._kept_bytes -= kept_size
+                if not kept:
+                    del self._kept[kept_size]
+        return self._kept_bytes + size <= limit
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers kept, whether the caller still holds them or not."""
+        return self._kept_bytes
+
+    def release(self) -> None:
+        """Forget every kept buffer (shutdown); those the caller holds stay the caller's."""
+        with self._lock:
+            self._kept.clear()
+            self._kept_bytes = 0
+
+
+def _size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of an eighth of the power of two above it."""
+    step = 1 << max(nbytes.bit_length() - 3, 0)
+    return -(-nbytes // step) * step

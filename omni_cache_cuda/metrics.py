@@ -40,6 +40,7 @@ name                                           type     extra labels        from
 ``omni_cache:host_pool_bytes``                 gauge                        ``pool_bytes``
 ``omni_cache:staging_bytes``                   gauge                        ``staging_bytes``
 ``omni_cache:occupancy_bytes``                 gauge                        ``occupancy_bytes``
+``omni_cache:output_bytes_kept``               gauge                        ``output_bytes_kept``
 =============================================  =======  ==================  ===========================
 
 ``source`` is one of ``pool``, ``after_write``, ``task``, ``zeros`` and ``this_step`` (see
@@ -119,6 +120,11 @@ _GAUGES = (
     ("host_pool_bytes", "Bytes of the host pool (one row per KV slot per key).", "pool_bytes"),
     ("staging_bytes", "Bytes of the host staging pages.", "staging_bytes"),
     ("occupancy_bytes", "Bytes of the slot occupancy tables.", "occupancy_bytes"),
+    (
+        "output_bytes_kept",
+        "Bytes of returned rows' buffers kept to hand out again once dropped.",
+        "output_bytes_kept",
+    ),
 )
 
 

@@ -1,5 +1,6 @@
 """Shared pytest configuration: hypothesis profiles, the `gpu` marker, `make_core`, the
-adapter tests' `threaded` and `make`, and every hit prefetched.
+adapter tests' `threaded` and `make`, every hit prefetched and every returned buffer kept for
+reuse.
 
 Profiles: `ci` (the default) is derandomized so a CI failure reproduces with the same command;
 hypothesis also draws constants from the project modules a session has loaded, so the same test
@@ -60,6 +61,27 @@ def _prefetch_every_hit(monkeypatch: pytest.MonkeyPatch) -> None:
     _prefetch_all(monkeypatch)
 
 
+@pytest.fixture(autouse=True)
+def _keep_every_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Managers keep the buffers of returned rows of any size for reuse, not only those of
+    2 MiB and more (D40).
+
+    The tests' rows are a few bytes wide: at the library's threshold every buffer would come
+    from the allocator, and no test would meet a buffer handed out again, or a caller still
+    holding one (OUT-8). The threshold has its own test, which sets it back. Modules that never
+    loaded the adapter are left alone.
+    """
+    _keep_all(monkeypatch)
+
+
+def _keep_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set the size from which returned buffers are kept to 1 byte for this test (D40), if the
+    adapter is loaded."""
+    storage = sys.modules.get("omni_cache_cuda._storage")
+    if storage is not None:
+        monkeypatch.setattr(storage.OutputMemory, "MIN_BYTES", 1)
+
+
 def _prefetch_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """Set the adapter's prefetch threshold to 0 for this test, and CPU managers to prefetch
     unless told not to (D38), if the adapter is loaded."""
@@ -102,6 +124,7 @@ def make(threaded: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     from tests.adapter_helpers import make_manager
 
     _prefetch_all(monkeypatch)
+    _keep_all(monkeypatch)
 
     made: list[Any] = []
 

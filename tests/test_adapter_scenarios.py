@@ -30,6 +30,7 @@ from omni_cache_cuda import (
     PrefixCacheWrite,
     PrefixCacheWriteLayout,
     ShutDownError,
+    StageCacheOutputs,
     StepAlreadyConsumedError,
     UnknownStepError,
     WriteFailedError,
@@ -145,6 +146,46 @@ def test_returned_rows_own_their_memory_after_the_page_is_reused(make: Make) -> 
         for req, rows in by_req.items():
             assert torch.equal(rows, kept[key][req]), f"{key} rows of {req} changed"
     assert_rows(out.hidden_states["c"][:8], saved.rows[HIDDEN_KEY][:8], "prefix of c from a")
+
+
+def _storages(out: StageCacheOutputs) -> set[int]:
+    """Where the memory behind each returned tensor starts."""
+    by_key = [out.hidden_states or {}, *out.mm_outputs.values()]
+    return {rows.untyped_storage().data_ptr() for rows_of in by_key for rows in rows_of.values()}
+
+
+def test_out_8_rows_the_caller_holds_are_not_handed_out_again_until_it_lets_go(
+    make: Make,
+) -> None:
+    """Every returned buffer is kept for reuse here (D40): while the caller holds a step's rows,
+    steps of the same shape get other memory and the held rows stay as they were; once it lets
+    go, a later step's rows come in that memory, and are right (OUT-8)."""
+    manager = make()
+    engine = Engine(manager)
+
+    def two_requests(first: str, second: str) -> StageCacheOutputs:
+        engine.start(first, [0, 1])
+        engine.start(second, [2, 3])
+        out = engine.materialize(engine.step({first: 8, second: 8}))  # checks every row
+        engine.finish(first)
+        engine.finish(second)
+        return out
+
+    held = two_requests("a", "b")
+    values = {
+        (key, req): rows.clone()
+        for key, rows_of in (("hidden", held.hidden_states), *held.mm_outputs.items())
+        for req, rows in rows_of.items()
+    }
+    memory = _storages(held)
+    for i in range(4):
+        assert not memory & _storages(two_requests(f"c{i}", f"d{i}"))
+    for (key, req), rows in values.items():
+        source = held.hidden_states if key == "hidden" else held.mm_outputs[key]
+        assert torch.equal(source[req], rows), f"held {key} rows of {req} changed"
+    assert manager.stats().output_bytes_kept > 0
+    del held
+    assert memory & _storages(two_requests("e", "f"))
 
 
 def test_hit_with_no_rows_this_step(make: Make) -> None:

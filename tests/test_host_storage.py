@@ -1,10 +1,14 @@
-"""Host storage: allocation (zeroed, large pools backed by transparent huge pages) and the pool's
-row writes (whole KV blocks at a time where the slots are)."""
+"""Host storage: allocation (zeroed, large pools backed by transparent huge pages), the pool's
+row writes (whole KV blocks at a time where the slots are) and the memory of returned rows, kept
+for reuse."""
 
 from __future__ import annotations
 
 import re
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +191,156 @@ def test_page_rows_are_one_view_while_the_row_count_stays() -> None:
     pages.release()
     with pytest.raises(KeyError):
         pages.rows(key, 1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory of returned rows, kept for reuse (D40, OUT-8).
+
+_MiB = 1 << 20
+
+
+def _output_memory(limit: int = 64 * _MiB) -> storage.OutputMemory:
+    return storage.OutputMemory(lambda: limit)
+
+
+def _address(rows: torch.Tensor) -> int:
+    """Where the memory behind ``rows`` (and any view of it) starts."""
+    return rows.untyped_storage().data_ptr()
+
+
+def test_d40_a_buffer_is_handed_out_again_once_no_view_of_it_is_left() -> None:
+    """Handed out, held through a view, then let go of: only then is it handed out again,
+    for any size of its class, and both buffers stay kept."""
+    memory = _output_memory()
+    first = memory.rows((512, 2048), torch.bfloat16)  # 2 MiB
+    first_at = _address(first)
+    view = first[10:20]
+    del first
+    second = memory.rows((512, 2048), torch.bfloat16)
+    second_at = _address(second)
+    assert second_at != first_at  # a view of the first is alive
+    del view, second
+    third = memory.rows((500, 2048), torch.bfloat16)
+    assert _address(third) in (first_at, second_at)
+    assert third.shape == (500, 2048) and third.dtype == torch.bfloat16 and third.is_contiguous()
+    assert memory.nbytes() == 4 * _MiB
+
+
+@pytest.mark.parametrize(
+    "hold",
+    [
+        lambda rows: rows[5:9],
+        lambda rows: rows.t(),
+        lambda rows: rows.view(torch.uint8),
+        lambda rows: rows.reshape(-1),
+        lambda rows: rows.numpy(),
+        lambda rows: rows.untyped_storage(),
+        lambda rows: torch.as_strided(rows, (2, 2), (1, 1), 7),
+    ],
+    ids=["slice", "transpose", "dtype view", "reshape", "numpy", "storage", "as_strided"],
+)
+def test_out_8_no_buffer_is_handed_out_while_the_caller_holds_any_part_of_it(
+    hold: Callable[[torch.Tensor], object],
+) -> None:
+    """Whatever the caller keeps of returned rows (a view, a numpy array, the storage), their
+    memory is not handed out again: the bytes behind it stay as they were."""
+    memory = _output_memory()
+    rows = memory.rows((1024, 1024), torch.float32)  # 4 MiB
+    rows.copy_(torch.arange(1024 * 1024, dtype=torch.float32).view(1024, 1024))
+    before = rows.clone()
+    at = _address(rows)
+    held = hold(rows)
+    del rows
+    others = []
+    for _ in range(3):
+        other = memory.rows((1024, 1024), torch.float32)
+        assert _address(other) != at
+        other.fill_(-1.0)
+        others.append(other)
+        del other
+    others.clear()
+    kept = torch.empty(0, dtype=torch.float32).set_(
+        held if isinstance(held, torch.UntypedStorage) else torch.as_tensor(held).untyped_storage()
+    )
+    assert torch.equal(kept[: 1024 * 1024].view(1024, 1024), before)
+
+
+def test_d40_kept_bytes_stay_within_the_limit_let_go_buffers_forgotten_first() -> None:
+    """A new buffer past the limit forgets kept buffers the caller let go of before those it
+    holds; one larger than the limit is not kept at all."""
+    memory = _output_memory(limit=8 * _MiB)
+    held = memory.rows((1024, 768), torch.float32)  # 3 MiB, held throughout
+    held_at = _address(held)
+    let_go = memory.rows((1024, 768), torch.float32)
+    del let_go
+    assert memory.nbytes() == 6 * _MiB
+    bigger = memory.rows((1024, 1024), torch.float32)  # 4 MiB: room made by the let-go one
+    assert memory.nbytes() == 7 * _MiB <= 8 * _MiB
+    assert memory.rows((4096, 1024), torch.float32).shape == (4096, 1024)  # 16 MiB: not kept
+    assert memory.nbytes() == 7 * _MiB
+    del held, bigger
+    assert _address(memory.rows((1024, 768), torch.float32)) == held_at  # still kept
+
+
+def test_d40_small_buffers_come_from_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below `OutputMemory.MIN_BYTES` nothing is kept: the allocator keeps such memory."""
+    monkeypatch.setattr(storage.OutputMemory, "MIN_BYTES", 2 * _MiB)
+    memory = _output_memory()
+    assert memory.rows((16, 16), torch.bfloat16).shape == (16, 16)
+    assert memory.clone(torch.ones(4, 4)).equal(torch.ones(4, 4))
+    assert memory.nbytes() == 0
+    copied = memory.clone(torch.ones(512, 1024))  # 2 MiB: kept
+    assert copied.equal(torch.ones(512, 1024)) and memory.nbytes() == 2 * _MiB
+
+
+def test_d40_without_torch_s_use_count_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the count of a storage's owners no buffer can be known free: none is kept."""
+    monkeypatch.setattr(storage, "_use_count", None)
+    memory = _output_memory()
+    for _ in range(2):
+        assert memory.rows((1024, 1024), torch.float32).shape == (1024, 1024)
+    assert memory.nbytes() == 0
+
+
+def test_d40_release_forgets_every_buffer_and_leaves_the_callers_rows() -> None:
+    memory = _output_memory()
+    rows = memory.rows((512, 1024), torch.float32)
+    rows.fill_(3.0)
+    memory.release()
+    assert memory.nbytes() == 0
+    assert _address(memory.rows((512, 1024), torch.float32)) != _address(rows)
+    assert bool((rows == 3.0).all())
+
+
+def test_d40_size_classes_round_up_by_at_most_a_quarter() -> None:
+    previous = 0
+    for nbytes in [*range(1, 4096), *range(2 * _MiB - 4096, 2 * _MiB + 4096, 64)]:
+        size = storage._size_class(nbytes)
+        assert nbytes <= size <= nbytes * 5 // 4 + 1, nbytes
+        assert size >= previous, nbytes
+        previous = size
+
+
+def test_d40_threads_taking_buffers_at_once_never_share_one() -> None:
+    """The consume and the prefetch worker take buffers at once: each one is one thread's."""
+    memory = _output_memory()
+    errors: list[str] = []
+    start = threading.Barrier(4)
+
+    def take(mark: float) -> None:
+        start.wait()
+        for _ in range(200):
+            rows = memory.rows((512, 1024), torch.float32)
+            rows.fill_(mark)
+            time.sleep(0)
+            if not bool((rows == mark).all()):
+                errors.append(f"thread {mark}: a buffer written by another thread")
+            del rows
+
+    threads = [threading.Thread(target=take, args=(float(i),)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+    assert memory.nbytes() <= 4 * 2 * _MiB

@@ -336,6 +336,9 @@ def _manager(options: SoakOptions) -> OmniPrefixCacheManager:
     # The soak's rows are a few bytes wide: every hit is prefetched, on the CPU too, so that
     # the prefetch's paths and its fault point are exercised (HIT-7, D34, D38).
     manager._effects.prefetch_min_bytes = 0
+    # And every returned buffer is kept for reuse, so that rows a consumer still holds meet
+    # later steps' buffers (OUT-8, D40).
+    manager._state.outputs.min_bytes = 1
     return manager
 
 
