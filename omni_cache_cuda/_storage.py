@@ -420,9 +420,9 @@ class OutputMemory:
     hundreds of megabytes a step; when the caller drops them, the allocator gives memory that
     large back to the kernel, which maps and zeroes it afresh for the next step (tens of
     milliseconds of system time). So buffers of at least ``min_bytes`` are kept here once
-    handed out, and one is handed out again only when nothing refers to its memory but this object
-    (`_let_go`). Sizes are rounded up, by at most a quarter, so that steps of similar sizes
-    share buffers.
+    handed out, and one is handed out again only when nothing refers to its memory but this
+    object (`_let_go`). Sizes are rounded up, by at most a quarter, so that steps of similar
+    sizes share buffers.
 
     ``limit`` gives the most bytes kept (the manager passes `StagingPages.nbytes`). A new
     buffer that would take the kept bytes past it makes room by forgetting the buffers the
@@ -473,13 +473,13 @@ class OutputMemory:
         limit = self._limit()
         if size > limit:
             return False
-        for let_go in (True, False):
+        for let_go in (True, False):  # those the caller let go of first
             for kept_size in sorted(self._kept, reverse=True):
+                if self._kept_bytes + size <= limit:
+                    return True
                 kept = self._kept[kept_size]
                 for i in reversed(range(len(kept))):
-                    if self._kept_bytes + size <= limit:
-                        return True
-                    if _let_go(kept, i) is let_go:
+                    if self._kept_bytes + size > limit and _let_go(kept, i) is let_go:
                         del kept[i]
                         self._kept_bytes -= kept_size
                 if not kept:
@@ -498,6 +498,7 @@ class OutputMemory:
 
 
 def _size_class(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of an eighth of the power of two above it."""
+    """``nbytes`` rounded up to a multiple of ``2 ** (bit_length - 3)``: four sizes a doubling,
+    at most a quarter more than ``nbytes``."""
     step = 1 << max(nbytes.bit_length() - 3, 0)
     return -(-nbytes // step) * step
