@@ -424,6 +424,10 @@ class OutputMemory:
     object (`_let_go`). Sizes are rounded up, by at most a quarter, so that steps of similar
     sizes share buffers.
 
+    A buffer the caller moved to shared memory (``share_memory_``, which torch.multiprocessing
+    does to send a tensor to another process, which may still read it) or resized is not the
+    cache's any more: it is forgotten rather than handed out again.
+
     ``limit`` gives the most bytes kept (the manager passes `StagingPages.nbytes`). A new
     buffer that would take the kept bytes past it makes room by forgetting the buffers the
     caller has let go of, then those it still holds (they are freed when the caller drops
@@ -451,9 +455,13 @@ class OutputMemory:
         size = _size_class(nbytes)
         with self._lock:
             kept = self._kept.get(size, [])
-            for i in range(len(kept)):  # by index: a loop variable would refer to it
-                if _let_go(kept, i):
+            for i in reversed(range(len(kept))):  # by index: a loop variable would refer to it
+                if not _let_go(kept, i):
+                    continue
+                if kept[i].nbytes() == size and not kept[i].is_shared():
                     return torch.empty(0, dtype=dtype).set_(kept[i], 0, shape, (shape[1], 1))
+                del kept[i]  # moved or resized by the caller: not this cache's memory now
+                self._kept_bytes -= size
             fresh = empty_rows((size // dtype.itemsize,), dtype)
             if self._make_room(size):
                 self._kept.setdefault(size, []).append(fresh.untyped_storage())

@@ -159,7 +159,8 @@ def test_out_8_rows_the_caller_holds_are_not_handed_out_again_until_it_lets_go(
 ) -> None:
     """Every returned buffer is kept for reuse here (D40): while the caller holds a step's rows,
     steps of the same shape get other memory and the held rows stay as they were; once it lets
-    go, a later step's rows come in that memory, and are right (OUT-8)."""
+    go of them (and holds the others), the next step's rows come in that memory, and are right
+    (OUT-8)."""
     manager = make()
     engine = Engine(manager)
 
@@ -178,8 +179,10 @@ def test_out_8_rows_the_caller_holds_are_not_handed_out_again_until_it_lets_go(
         for req, rows in rows_of.items()
     }
     memory = _storages(held)
+    later = []  # held too: once the first step's rows are let go, only theirs are free
     for i in range(4):
-        assert not memory & _storages(two_requests(f"c{i}", f"d{i}"))
+        later.append(two_requests(f"c{i}", f"d{i}"))
+        assert not memory & _storages(later[-1])
     for (key, req), rows in values.items():
         source = held.hidden_states if key == "hidden" else held.mm_outputs[key]
         assert torch.equal(source[req], rows), f"held {key} rows of {req} changed"

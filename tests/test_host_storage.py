@@ -265,6 +265,24 @@ def test_out_8_no_buffer_is_handed_out_while_the_caller_holds_any_part_of_it(
     assert torch.equal(kept[: 1024 * 1024].view(1024, 1024), before)
 
 
+@pytest.mark.parametrize("change", ["share_memory_", "resize_"])
+def test_out_8_rows_moved_to_shared_memory_or_resized_are_forgotten(change: str) -> None:
+    """torch.multiprocessing moves a tensor it sends into shared memory, which the receiving
+    process may still read after the caller drops its own tensors; a resize puts other memory
+    under the buffer. Either way the buffer is not handed out again, and no longer counted."""
+    memory = _output_memory()
+    rows = memory.rows((512, 1024), torch.float32)  # 2 MiB
+    if change == "share_memory_":
+        rows.share_memory_()
+    else:
+        rows.resize_(1024, 1024)
+    at = _address(rows)
+    del rows
+    again = memory.rows((512, 1024), torch.float32)
+    assert _address(again) != at
+    assert memory.nbytes() == 2 * _MiB  # the new buffer alone
+
+
 def test_d40_kept_bytes_stay_within_the_limit_let_go_buffers_forgotten_first() -> None:
     """A new buffer past the limit forgets kept buffers the caller let go of before those it
     holds; one larger than the limit is not kept at all."""
