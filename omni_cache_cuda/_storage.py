@@ -462,10 +462,13 @@ class OutputMemory:
                     return torch.empty(0, dtype=dtype).set_(kept[i], 0, shape, (shape[1], 1))
                 del kept[i]  # moved or resized by the caller: not this cache's memory now
                 self._kept_bytes -= size
-            fresh = empty_rows((size // dtype.itemsize,), dtype)
-            if self._make_room(size):
+            keep = self._make_room(size)
+            if keep:  # the whole size class, so that any size of it can take the buffer later
+                fresh = empty_rows((size // dtype.itemsize,), dtype)
                 self._kept.setdefault(size, []).append(fresh.untyped_storage())
                 self._kept_bytes += size
+        if not keep:
+            return empty_rows(shape, dtype)
         return fresh[: shape[0] * shape[1]].view(shape)
 
     def clone(self, rows: torch.Tensor) -> torch.Tensor:
