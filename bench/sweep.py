@@ -27,8 +27,12 @@ threaded manager, or one without the hit prefetch (`sweep_compare.py --threaded`
 (or with the objects made before them frozen), to show what its collections cost a step that
 makes many tracked objects.
 
+`--lag` materializes each step after the next step's save (`Mode.lag`): what a step costs
+while the one before it is still unconsumed, as under an engine that builds a step's outputs
+while its next step runs.
+
 Run: python bench/sweep.py [--steps N] [--rounds R] [--widths 1024,4096,8192]
-     [--batches 16,64,256,1024] [--kinds decode,prefill] [--gc on|off|frozen]
+     [--batches 16,64,256,1024] [--kinds decode,prefill] [--gc on|off|frozen] [--lag]
      [--plot docs/sweep.png]
 """
 
@@ -55,6 +59,7 @@ from omni_cache_cuda import (
     PrefixCacheRequestEvent,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
+    StepId,
 )
 from omni_cache_cuda._storage import alloc_host, row_bytes
 
@@ -120,10 +125,17 @@ class Buffers:
 class Mode:
     """How the manager of a point runs: `sweep.py` uses inline managers with the CPU's default,
     no hit prefetch (DESIGN D38); `sweep_compare.py` can ask for threaded ones, and sets the
-    prefetch on or off (older trees prefetch by default)."""
+    prefetch on or off (older trees prefetch by default).
+
+    ``lag``: each step is materialized after the next step's save instead of right after its own,
+    as an engine that builds a step's outputs while its next step runs does (a builder thread,
+    or asynchronous scheduling). A cycle is then a step's start and save and the previous step's
+    materialize, and one step is always unconsumed while the next one starts and saves.
+    """
 
     threaded: bool = False
     prefetch: bool | None = None
+    lag: bool = False
 
 
 INLINE = Mode()
@@ -139,19 +151,42 @@ def _manager(num_blocks: int, step_rows: int, mode: Mode) -> OmniPrefixCacheMana
     )
 
 
-def _cycle(
-    m: OmniPrefixCacheManager,
-    step: PrefixCacheStep,
-    rows: tuple[torch.Tensor, torch.Tensor],
-    n: int,
-    layout: PrefixCacheWriteLayout,
-    reqs: list[str],
-) -> float:
-    t0 = time.thread_time()
-    m.new_step_starts(step)
-    step_id = m.save_outputs(rows[0], {MM_KEY: rows[1]}, num_tokens_unpadded=n, write_layout=layout)
-    m.materialize(step_id, reqs)
-    return time.thread_time() - t0
+class Cycles:
+    """Runs a point's cycles on a manager: each step's start and save, then its materialize, or
+    the previous step's with `Mode.lag` (the last one is materialized, untimed, by `close`)."""
+
+    def __init__(self, m: OmniPrefixCacheManager, mode: Mode) -> None:
+        self.m = m
+        self.lag = mode.lag
+        self.pending: tuple[StepId, list[str]] | None = None
+
+    def run(
+        self,
+        step: PrefixCacheStep,
+        rows: tuple[torch.Tensor, torch.Tensor],
+        n: int,
+        layout: PrefixCacheWriteLayout,
+        reqs: list[str],
+    ) -> float:
+        """One cycle; the engine thread's CPU seconds."""
+        m = self.m
+        t0 = time.thread_time()
+        m.new_step_starts(step)
+        step_id = m.save_outputs(
+            rows[0], {MM_KEY: rows[1]}, num_tokens_unpadded=n, write_layout=layout
+        )
+        if not self.lag:
+            m.materialize(step_id, reqs)
+        elif self.pending is not None:
+            m.materialize(*self.pending)
+        if self.lag:
+            self.pending = (step_id, reqs)
+        return time.thread_time() - t0
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.m.materialize(*self.pending)
+            self.pending = None
 
 
 def decode(requests: int, width: int, steps: int, warmup: int, mode: Mode = INLINE) -> Point:
@@ -171,6 +206,7 @@ def decode(requests: int, width: int, steps: int, warmup: int, mode: Mode = INLI
     no_hits = torch.zeros(0, dtype=torch.int64)
     cycle, copy, layout_s = [], [], []
     with _manager(num_blocks, requests, mode) as m:
+        cycles = Cycles(m, mode)
         for pos in range(warmup + steps):
             step = PrefixCacheStep(events=starts if pos == 0 else (), scheduled_tokens=ones)
             t0 = time.thread_time()
@@ -182,12 +218,13 @@ def decode(requests: int, width: int, steps: int, warmup: int, mode: Mode = INLI
                 BLOCK_SIZE,
             )
             lay = time.thread_time() - t0
-            c = _cycle(m, step, rows, requests, layout, reqs)
+            c = cycles.run(step, rows, requests, layout, reqs)
             k = buffers.copies(rows, layout.slots_cpu, no_hits)
             if pos >= warmup:
                 cycle.append(c)
                 copy.append(k)
                 layout_s.append(lay)
+        cycles.close()
     return _point("decode", requests, width, cycle, copy, layout_s, requests)
 
 
@@ -203,6 +240,7 @@ def prefill(requests: int, width: int, steps: int, warmup: int, mode: Mode = INL
     buffers = Buffers(num_blocks * BLOCK_SIZE, width, requests * PREFILL_TOKENS)
     cycle, copy, layout_s = [], [], []
     with _manager(num_blocks, computed_rows, mode) as m:
+        cycles = Cycles(m, mode)
         # The shared block, written once by a request that stays live.
         warm = PrefixCacheWriteLayout.from_block_tables(
             ["warm"], {"warm": HIT_TOKENS}, {"warm": 0}, {"warm": shared}, BLOCK_SIZE
@@ -210,8 +248,7 @@ def prefill(requests: int, width: int, steps: int, warmup: int, mode: Mode = INL
         start = PrefixCacheRequestEvent(
             req_id="warm", kind=STARTED, block_ids=shared, scheduled_tokens=HIT_TOKENS
         )
-        _cycle(
-            m,
+        cycles.run(
             PrefixCacheStep(events=[start], scheduled_tokens={"warm": HIT_TOKENS}),
             (rows[0][:HIT_TOKENS], rows[1][:HIT_TOKENS]),
             HIT_TOKENS,
@@ -234,13 +271,14 @@ def prefill(requests: int, width: int, steps: int, warmup: int, mode: Mode = INL
             )
             lay = time.thread_time() - t0
             step = PrefixCacheStep(events=records.events, scheduled_tokens=scheduled)
-            c = _cycle(m, step, rows, computed_rows, layout, reqs)
+            c = cycles.run(step, rows, computed_rows, layout, reqs)
             k = buffers.copies(rows, layout.slots_cpu, torch.tensor(hit_slots, dtype=torch.int64))
             if s >= warmup:
                 cycle.append(c)
                 copy.append(k)
                 layout_s.append(lay)
             prev = reqs
+        cycles.close()
     return _point("prefill", requests, width, cycle, copy, layout_s, computed_rows)
 
 
@@ -323,8 +361,14 @@ def main() -> None:
         default="on",
         help="Python's cyclic collector during the points: on, off, or on after gc.freeze()",
     )
+    parser.add_argument(
+        "--lag",
+        action="store_true",
+        help="materialize each step after the next step's save (`Mode.lag`)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    mode = Mode(lag=args.lag)
     if args.gc == "off":
         gc.disable()
     elif args.gc == "frozen":
@@ -335,6 +379,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, 1 intra-op thread; {args.steps} steps a point, quietest of "
         f"{args.rounds}; cyclic collector {args.gc}"
+        + ("; each step materialized after the next step's save" if args.lag else "")
     )
     print(
         f"{'cycle':8} {'requests':>8} {'width':>6} {'MiB':>7} {'cycle ms':>9} {'copy ms':>8} {'x copy':>7} {'fixed ms':>9} {'layout ms':>9}"
@@ -348,7 +393,7 @@ def main() -> None:
             for width in widths:
                 steps = args.steps if kind == "decode" else max(6, args.steps // 4)
                 point = min(
-                    (bench(requests, width, steps, 5) for _ in range(args.rounds)),
+                    (bench(requests, width, steps, 5, mode) for _ in range(args.rounds)),
                     key=lambda p: p.cycle_ms,
                 )
                 points.append(point)

@@ -10,10 +10,11 @@ the median of the per-round ratios of the cycles (this tree / revision).
 Points are ``KIND:REQUESTS:WIDTH`` (`prefill` or `decode`, as in `sweep.py`); `--threaded` runs
 them on threaded managers instead of `sweep.py`'s inline ones (threaded mode's steps under
 2 MiB go through a staging page), `--no-prefetch` on managers without the hit prefetch (as a
-CPU manager runs by default since DESIGN D38; without it both trees prefetch).
+CPU manager runs by default since DESIGN D38; without it both trees prefetch), `--lag` with each
+step materialized after the next step's save (`sweep.Mode.lag`).
 
 Run from the repository root: python bench/sweep_compare.py REV [--points P,..] [--rounds R]
-[--steps N] [--threaded] [--no-prefetch]
+[--steps N] [--threaded] [--no-prefetch] [--lag]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import sweep
 torch.set_num_threads(1)
 out = {{}}
 for kind, requests, width in {points!r}:
-    mode = sweep.Mode(threaded={threaded!r}, prefetch={prefetch!r})
+    mode = sweep.Mode(threaded={threaded!r}, prefetch={prefetch!r}, lag={lag!r})
     point = getattr(sweep, kind)(requests, width, {steps!r}, 3, mode)
     out[f"{{kind}} {{requests}} x {{width}}"] = (point.cycle_ms, point.copy_ms)
 print(json.dumps(out))
@@ -45,12 +46,18 @@ print(json.dumps(out))
 
 
 def _run(
-    tree: Path, points: list[tuple[str, int, int]], steps: int, threaded: bool, prefetch: bool
+    tree: Path,
+    points: list[tuple[str, int, int]],
+    steps: int,
+    threaded: bool,
+    prefetch: bool,
+    lag: bool,
 ) -> dict[str, tuple[float, float]]:
     code = _ROUND.format(
         bench=str(ROOT / "bench"),
         threaded=threaded,
         prefetch=prefetch,
+        lag=lag,
         points=points,
         steps=steps,
     )
@@ -75,14 +82,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="steps per point and round")
     parser.add_argument("--threaded", action="store_true", help="threaded managers")
     parser.add_argument("--no-prefetch", action="store_true", help="managers without prefetch")
+    parser.add_argument(
+        "--lag", action="store_true", help="each step materialized after the next one's save"
+    )
     args = parser.parse_args()
     points = _points(args.points)
     results = interleaved(
         args.rev,
         args.rounds,
-        lambda tree: _run(tree, points, args.steps, args.threaded, not args.no_prefetch),
+        lambda tree: _run(tree, points, args.steps, args.threaded, not args.no_prefetch, args.lag),
     )
     mode = ("threaded" if args.threaded else "inline") + (" without prefetch" * args.no_prefetch)
+    mode += ", each step materialized after the next one's save" * args.lag
     print(f"sweep points, {mode} managers, {args.rounds} rounds of {args.steps} steps per version")
     print(f"{'point':26} {'version':>10}  cycle ms per round / copy ms per round")
     for point in results["tree"][0]:
