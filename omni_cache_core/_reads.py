@@ -118,6 +118,7 @@ class HitReads:
         "_start_hit_lo",
         "_start_hit_slots",
         "_start_hits",
+        "_step_hits",
     )
 
     def __init__(self, num_slots: int, block_size: int, num_blocks: int) -> None:
@@ -146,6 +147,11 @@ class HitReads:
         self._reads: dict[int, Read] = {}  # planned reads of saved, not yet ended steps
         #: Per unended step that planned reads: its reads per request.
         self._by_step: dict[StepId, dict[ReqId, list[Read]]] = {}
+        #: Per unended step that planned reads: all its hits' slots in one array, each hit's
+        #: bounds in it, and its reads in planning order (the order of `_reads`): key by key,
+        #: each key's reads in the hits' order. A write tests each step's slots at once
+        #: (`_touched`), not each read's (derived).
+        self._step_hits: dict[StepId, tuple[SlotArray, list[int], list[Read]]] = {}
         #: Per unended step: rows of all its reads per `SlotSource`, counted when a consume
         #: takes them all.
         self._hit_rows: dict[StepId, npt.NDArray[np.int64]] = {}
@@ -339,15 +345,12 @@ class HitReads:
         versions were preserved or counted when the drafts claimed them: HIT-6); each counts
         as a violation, so its consume raises instead of serving them.
         """
-        if not self._reads:
-            return
-        ordered = np.sort(slots)
-        for read in self._reads.values():
+        for read, touched in self._touched(slots):
             plan = read.plan
             table = tables.get(plan.key)
             if table is None:
                 continue
-            hit = _member(ordered, plan.slots) & ~plan.preserved
+            hit = touched & ~plan.preserved
             if not any_true(hit):
                 continue
             positions = np.flatnonzero(hit)
@@ -356,17 +359,14 @@ class HitReads:
 
     def copy_on_write(self, slots: SlotArray, tables: SlotTables) -> list[Preserve]:
         """HIT-6: preserve committed rows older reads planned on, before `slots` change."""
-        if not self._reads:
-            return []
-        ordered = np.sort(slots)
         effects: list[Preserve] = []
-        for read in self._reads.values():
+        for read, touched in self._touched(slots):
             plan = read.plan
             table = tables.get(plan.key)
             if table is None:
                 continue
-            hit = _member(ordered, plan.slots)
-            hit &= ~plan.preserved & ((plan.source == _POOL) | (plan.source == _AFTER_WRITE))
+            hit = touched & ~plan.preserved
+            hit &= (plan.source == _POOL) | (plan.source == _AFTER_WRITE)
             if not any_true(hit):
                 continue
             positions = np.flatnonzero(hit)
@@ -384,6 +384,33 @@ class HitReads:
                 )
             read.violated += len(intact) - int(np.count_nonzero(intact))
         return effects
+
+    def _touched(self, slots: SlotArray) -> list[tuple[Read, npt.NDArray[np.bool_]]]:
+        """The planned reads some of `slots` fall in, in `_reads` order, each with a mask of its
+        rows that do (a fresh array: the caller may change it).
+
+        Each unended step's slots are tested at once against one membership mark of `slots`: a
+        write that touches no step's hit rows, the usual one, costs a gather per step, however
+        many reads the steps carry.
+        """
+        if not self._reads:
+            return []
+        mark = self._slot_mark
+        mark[slots] = True
+        try:
+            touched: list[tuple[Read, npt.NDArray[np.bool_]]] = []
+            for every, bounds, reads in self._step_hits.values():
+                rows = mark[every]
+                if not any_true(rows):
+                    continue
+                hits = len(bounds) - 1
+                for i, read in enumerate(reads):
+                    hit = rows[bounds[i % hits] : bounds[i % hits + 1]]
+                    if any_true(hit):
+                        touched.append((read, hit.copy()))
+            return touched
+        finally:
+            mark[slots] = False
 
     def plan_step(
         self,
@@ -465,6 +492,7 @@ class HitReads:
             )
         ]
         by_id = self._reads
+        step_reads: list[Read] = []
         offsets = self._start_hit_keys
         for key in keys:
             owner, version = owners[key]
@@ -529,7 +557,9 @@ class HitReads:
                     )
                 by_id[read_id] = read
                 req_reads.append(read)
+                step_reads.append(read)
         self._by_step[step_id] = reads
+        self._step_hits[step_id] = (every, bounds, step_reads)
         self._hit_rows[step_id] = hit_rows
 
     # -----------------------------------------------------------------------------------------
@@ -578,6 +608,7 @@ class HitReads:
     def drop_step(self, step_id: StepId) -> None:
         """The step ended: its reads go."""
         self._hit_rows.pop(step_id, None)
+        self._step_hits.pop(step_id, None)
         by_request = self._by_step.pop(step_id, None)
         if by_request:
             if not self._by_step:
@@ -621,6 +652,15 @@ class HitReads:
         }
         if by_step.keys() != self._reads.keys():
             raise InvariantError("the reads by id and by step disagree")
+        listed = [read for _, _, reads in self._step_hits.values() for read in reads]
+        if [read.plan.read_id for read in listed] != list(self._reads):
+            raise InvariantError("the reads listed per step are not the reads by id, in order")
+        for every, bounds, reads in self._step_hits.values():
+            hits = len(bounds) - 1
+            for i, read in enumerate(reads):
+                lo, hi = bounds[i % hits], bounds[i % hits + 1]
+                if not np.array_equal(every[lo:hi], read.plan.slots):
+                    raise InvariantError(f"read {read.plan.read_id}'s slots are not its step's")
         for read_id, read in self._reads.items():
             if by_step[read_id] != read.step_id:
                 raise InvariantError(f"read {read_id} filed under another step")
@@ -677,15 +717,6 @@ def _limit_task_reads(
         else:
             limits.append((Tid(tid), chunks))
     return tuple(limits), error
-
-
-def _member(ordered: SlotArray, values: SlotArray) -> npt.NDArray[np.bool_]:
-    """Which `values` occur in the sorted array `ordered`."""
-    if not len(ordered):
-        return np.zeros(len(values), dtype=np.bool_)
-    at = np.searchsorted(ordered, values)
-    at[at >= len(ordered)] = len(ordered) - 1
-    return np.asarray(ordered[at] == values)
 
 
 def _last_row(ordered: SlotArray, order: SlotArray, values: SlotArray) -> npt.NDArray[np.int64]:

@@ -1349,6 +1349,51 @@ def test_hit_6_a_slot_changed_behind_a_delayed_read_makes_it_raise(make_core: Ma
     assert delayed not in core.open_step_ids
 
 
+def test_hit_6_a_write_preserves_only_the_rows_it_takes_from_unconsumed_reads(
+    make_core: MakeCore,
+) -> None:
+    """With several steps unconsumed, a write preserves exactly the planned rows it takes, read
+    by read in read order, and a write that takes none of them preserves nothing (HIT-6)."""
+    core = make_core(num_blocks=16)
+    start(core, started("a"), started("e"), started("f"))
+    warm = save(
+        core, [("a", blocks(0)), ("e", blocks(2)), ("f", blocks(4))], immediate=(HIDDEN_KEY, MM)
+    )
+    consume(core, warm.step_id)
+    start(core, started("b", hit_end=BLOCK, block_ids=(0, 1)))
+    first = save(core, [("b", blocks(1))], immediate=(HIDDEN_KEY, MM)).step_id
+    # Two hits in one step: the second one's rows follow the first's in the step's reads.
+    start(
+        core,
+        started("c", hit_end=BLOCK, block_ids=(2, 3)),
+        started("d", hit_end=BLOCK, block_ids=(4, 5)),
+    )
+    second = save(core, [("c", blocks(3)), ("d", blocks(5))], immediate=(HIDDEN_KEY, MM)).step_id
+    # A write on slots no unconsumed step planned on.
+    start(core, finished("a"), finished("e"), finished("f"), started("x"))
+    published = save(core, [("x", blocks(6))], immediate=(HIDDEN_KEY, MM))
+    assert effects_of(published.effects, Preserve) == []
+    consume(core, published.step_id)
+    # A write over two of d's hit rows (slots 17 and 18) and none of b's or c's.
+    start(core, started("y"))
+    published = save(core, [("y", [17, 18, 40])], immediate=(HIDDEN_KEY, MM))
+    preserve = effects_of(published.effects, Preserve)
+    for p in preserve:
+        assert p.positions.tolist() == [1, 2] and p.slots.tolist() == [17, 18]
+    plan = consume(core, second, ["c", "d"])
+    touched = _reads(plan, "d")
+    assert [(p.read_id, p.key) for p in preserve] == [
+        (touched[HIDDEN_KEY].read_id, HIDDEN_KEY),
+        (touched[MM].read_id, MM),
+    ]
+    for read in touched.values():
+        assert read.preserved.tolist() == [False, True, True, False]
+    untouched = [*_reads(plan, "c").values(), *_reads(consume(core, first, ["b"]), "b").values()]
+    assert len(untouched) == 4
+    for read in untouched:
+        assert not read.preserved.any() and _sources(read) == [POOL] * BLOCK
+
+
 def test_hit_7_the_final_plan_overrides_prefetched_rows_of_the_same_read(
     make_core: MakeCore,
 ) -> None:
