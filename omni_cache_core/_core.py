@@ -48,7 +48,7 @@ from omni_cache_core._contract import (
     Tid,
 )
 from omni_cache_core._counters import CoreCounters
-from omni_cache_core._delivery import Admissions, RequestState
+from omni_cache_core._delivery import Admissions, RequestState, carried_among
 from omni_cache_core._drafts import Confirmed, Drafts, distinct_counts
 from omni_cache_core._errors import (
     BadInputError,
@@ -101,6 +101,8 @@ from omni_cache_core._values import (
 )
 
 __all__ = ["CacheCore", "CoreCounters"]
+
+_PREEMPTED = PrefixCacheEventKind.PREEMPTED
 
 
 class CacheCore(CoreQueries):
@@ -201,9 +203,17 @@ class CacheCore(CoreQueries):
         # D10: hits of a start that no save followed can never be served; their requests must
         # end (or be preempted and resumed) before they are saved again.
         hits.on_start()
-        # Ending requests ends no step: the unended steps' entries are listed once.
-        step_entries = self._saved.entry_arrays() if ending else []
         live = requests.entries_by_request
+        # Which ending admissions an unended step still carries: found once for them all.
+        step_entries = self._saved.entry_arrays() if ending else []
+        carried = (
+            carried_among(
+                [live[r] for r, kind in ending if kind is not _PREEMPTED and r in live],
+                step_entries,
+            )
+            if step_entries
+            else set()
+        )
         # Only a request with deferred writes has writes to escalate as it ends (TASK-4).
         request_writes = bool(ending) and self._writes.any_request_writes
         gone: list[ReqId] = []
@@ -213,13 +223,13 @@ class CacheCore(CoreQueries):
             gone.append(req_id)
             if drafts:
                 self._settle_at_end(requests.entry_of(req_id), tombstones)
-            preempted = kind is PrefixCacheEventKind.PREEMPTED
+            preempted = kind is _PREEMPTED
             if request_writes:
                 escalate.extend(self._writes.end_request(req_id, ended=not preempted))
             if preempted:
                 requests.preempt(req_id)  # LIFE-3: live for delivery, not for saves
             else:
-                requests.end(req_id, step_entries)
+                requests.end(req_id, carried=bool(carried) and live[req_id] in carried)
         if gone:
             hits.forget_requests(gone)
         block_size = self.config.block_size

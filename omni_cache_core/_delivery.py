@@ -36,7 +36,7 @@ delivered range at consume.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from operator import itemgetter
 from typing import Any, Final, NoReturn, cast
 
@@ -52,7 +52,7 @@ from omni_cache_core._contract import (
 from omni_cache_core._errors import BadInputError, InvariantError, LifecycleError
 from omni_cache_core._occupancy import any_true
 
-__all__ = ["AdmissionState", "Admissions", "RequestState", "carried_by"]
+__all__ = ["AdmissionState", "Admissions", "RequestState", "carried_among"]
 
 Int64Array = npt.NDArray[np.int64]
 #: An end or preemption record: (request, kind).
@@ -280,17 +280,17 @@ class Admissions:
         self.computed[entry] = hit_end
         return int(self.cursor[entry])
 
-    def end(self, req_id: ReqId, steps: Sequence[Int64Array]) -> None:
+    def end(self, req_id: ReqId, carried: bool) -> None:
         """The admission ended; its entry is freed now, or once no unended step carries it.
 
-        `steps`: the entries of every unended step.
+        `carried`: whether an unended step carries its entry (`carried_among`).
         """
         entry = self._entry_of.pop(req_id)
         # Only a preempted count above 0 leaves an entry preempted to look for.
         if self._num_preempted and self.state[entry] == _PREEMPTED_CODE:
             self._num_preempted -= 1
         self._known_layout = None
-        if steps and carried_by(entry, steps):
+        if carried:
             self.state[entry] = _ENDED_CODE
             self.ended.add(entry)
         else:
@@ -378,8 +378,9 @@ class Admissions:
 
     def on_step_end(self, carried: list[Int64Array]) -> None:
         """A step ended: free the ended entries that no unended step (`carried`) holds now."""
+        held = carried_among(self.ended, carried)
         for entry in list(self.ended):
-            if not carried_by(entry, carried):
+            if entry not in held:
                 self.ended.discard(entry)
                 self._release_entry(entry)
 
@@ -484,6 +485,18 @@ class Admissions:
         self._free.extend(range(2 * size - 1, size - 1, -1))
 
 
-def carried_by(entry: int, step_entries: Iterable[Int64Array]) -> bool:
-    """Whether any unended step, given by its entry array, carries admission `entry`."""
-    return any(any_true(entries == entry) for entries in step_entries)
+#: Up to this many admissions, `carried_among` looks each up in every step's entries; more (the
+#: end of a prefill's hundreds of requests while their step is unconsumed) take one membership
+#: test of them all.
+_FEW_ENTRIES: Final = 8
+
+
+def carried_among(entries: Collection[int], step_entries: Sequence[Int64Array]) -> set[int]:
+    """Those of admission `entries` that an unended step, given by its entry array, carries."""
+    if not entries or not step_entries:
+        return set()
+    if len(entries) <= _FEW_ENTRIES:
+        return {e for e in entries if any(any_true(held == e) for held in step_entries)}
+    wanted = np.fromiter(entries, dtype=np.int64, count=len(entries))
+    found = np.isin(wanted, np.concatenate(step_entries))
+    return set(wanted[found].tolist())

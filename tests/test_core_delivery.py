@@ -25,7 +25,7 @@ from omni_cache_core import (
     ReqId,
     StepId,
 )
-from omni_cache_core._delivery import _LIFECYCLE, RequestState
+from omni_cache_core._delivery import _FREE, _LIFECYCLE, RequestState
 from omni_cache_core._values import (
     ConsumeBegin,
     ConsumePlan,
@@ -86,6 +86,30 @@ def test_life_1_an_id_started_again_is_a_new_admission_while_its_old_step_is_ope
     # old step belongs to another admission (DLV-5 is per admission).
     assert positions(consume(core, new, ["a"])) == [(0, BLOCK)]
     assert positions(consume(core, old, ["a"])) == [(0, BLOCK)]
+
+
+def test_life_1_entries_of_many_ending_requests_outlive_them_while_their_step_is_open(
+    make_core: MakeCore,
+) -> None:
+    """Of a dozen requests ending together, those an unconsumed step carries keep their entries
+    (ended) until it ends, the others are freed at once, and every carried one is still delivered
+    (LIFE-1)."""
+    core = make_core(num_blocks=64)
+    reqs = [f"r{i}" for i in range(12)]
+    start(core, *(started(r) for r in reqs))
+    carried = reqs[::2]
+    open_step = save(core, [(r, blocks(i)) for i, r in enumerate(carried)]).step_id
+    live = dict(core._requests.entries_by_request)
+    # More ends than a step's entries are searched for one by one; one started again at once.
+    start(core, *(finished(r) for r in reqs), started("r0"))
+    requests = core._requests
+    assert requests.ended == {live[r] for r in carried}
+    again = requests.entry_of(ReqId("r0"))  # the new admission takes a freed entry
+    freed = {live[r] for r in reqs[1::2]}
+    assert again in freed
+    assert all(requests.state[e] == _FREE for e in freed - {again})
+    assert positions(consume(core, open_step, carried)) == [(0, BLOCK)] * len(carried)
+    assert requests.ended == set()
 
 
 def _running_a(core: Any) -> None:
