@@ -70,6 +70,10 @@ class SavePath:
         # The last layout's row bounds and their array: decode layouts of one size share one
         # bounds tuple, so the array is made once per size, not per step.
         self._last_bounds: tuple[tuple[int, ...], npt.NDArray[np.int64]] | None = None
+        # Scratch membership marks over the pool's slots, all False between saves: which of an
+        # unconsumed step's slots a new write takes (`_preserve_open_steps`). Saves run on one
+        # thread (CONC-4), so one scratch serves them all.
+        self._slot_mark = np.zeros(0, dtype=np.bool_)
 
     def save(
         self,
@@ -227,23 +231,30 @@ class SavePath:
         lock, before the new write is dispatched; a record its consume closed already is
         skipped (its gathers are over), as `EffectInterpreter.preserve_rows`.
         """
-        for other in others:
-            hit: npt.NDArray[np.intp] | None = None
-            for key in keys:
-                record = other.own.get(key)
-                if record is None:
-                    continue
-                with record.lock:
-                    if record.closed:
-                        break
-                    if hit is None:
-                        hit = np.flatnonzero(np.isin(other.slots, slots, kind="table"))
-                    if not len(hit):
-                        break
-                    rows = self._pool.tensors[key].index_select(
-                        0, torch.from_numpy(other.slots[hit])
-                    )
-                    record.preserved.append((hit, rows))
+        mark = self._slot_mark
+        if len(mark) < self._pool.num_slots:
+            mark = self._slot_mark = np.zeros(self._pool.num_slots, dtype=np.bool_)
+        mark[slots] = True
+        try:
+            for other in others:
+                hit: npt.NDArray[np.intp] | None = None
+                for key in keys:
+                    record = other.own.get(key)
+                    if record is None:
+                        continue
+                    with record.lock:
+                        if record.closed:
+                            break
+                        if hit is None:
+                            hit = np.flatnonzero(mark[other.slots])
+                        if not len(hit):
+                            break
+                        rows = self._pool.tensors[key].index_select(
+                            0, torch.from_numpy(other.slots[hit])
+                        )
+                        record.preserved.append((hit, rows))
+        finally:
+            mark[slots] = False
 
     def _write_now(self, ctx: StepContext, job: WriteJob, slots: npt.NDArray[np.int64]) -> None:
         """Run a step's write on this thread from the caller's rows: its one copy (D27).
