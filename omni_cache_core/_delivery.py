@@ -379,10 +379,12 @@ class Admissions:
     def on_step_end(self, carried: list[Int64Array]) -> None:
         """A step ended: free the ended entries that no unended step (`carried`) holds now."""
         held = carried_among(self.ended, carried)
-        for entry in list(self.ended):
-            if entry not in held:
-                self.ended.discard(entry)
-                self._release_entry(entry)
+        freed = [entry for entry in self.ended if entry not in held]
+        if freed:
+            # `_release_entry` for them all, in the same order.
+            self.ended.difference_update(freed)
+            self.state[freed] = _FREE
+            self._free.extend(freed)
 
     def deliver(
         self, entries: Int64Array, cursor: Int64Array, lo: Int64Array, hi: Int64Array
