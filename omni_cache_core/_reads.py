@@ -112,7 +112,6 @@ class HitReads:
         "_lost_hits",
         "_next_read_id",
         "_num_blocks",
-        "_reads",
         "_slot_mark",
         "_start_hit_keys",
         "_start_hit_lo",
@@ -144,14 +143,13 @@ class HitReads:
         self._start_hit_lo: dict[ReqId, int] = {}
         # Live requests whose hit was registered by a start that no save followed (D10).
         self._lost_hits: set[ReqId] = set()
-        self._reads: dict[int, Read] = {}  # planned reads of saved, not yet ended steps
-        #: Per unended step that planned reads: its reads per request.
-        self._by_step: dict[StepId, dict[ReqId, list[Read]]] = {}
-        #: Per unended step that planned reads: all its hits' slots in one array, each hit's
-        #: bounds in it, and its reads in planning order (the order of `_reads`): key by key,
-        #: each key's reads in the hits' order. A write tests each step's slots at once
-        #: (`_touched`), not each read's (derived).
+        #: Per unended step that planned reads, in planning order: all its hits' slots in one
+        #: array, each hit's bounds in it, and its reads in planning order, key by key and each
+        #: key's in the hits' order. A write tests each step's slots at once (`_touched`), not
+        #: each read's. These are the planned reads of saved, not yet ended steps.
         self._step_hits: dict[StepId, tuple[SlotArray, list[int], list[Read]]] = {}
+        #: The same reads per step and request (derived).
+        self._by_step: dict[StepId, dict[ReqId, list[Read]]] = {}
         #: Per unended step: rows of all its reads per `SlotSource`, counted when a consume
         #: takes them all.
         self._hit_rows: dict[StepId, npt.NDArray[np.int64]] = {}
@@ -169,7 +167,7 @@ class HitReads:
 
     def step_ids(self) -> set[StepId]:
         """Steps that carry planned reads."""
-        return {read.step_id for read in self._reads.values()}
+        return {read.step_id for _, _, reads in self._step_hits.values() for read in reads}
 
     def reads_of(self, step_id: StepId) -> tuple[tuple[int, frozenset[Tid]], ...]:
         """The reads a step planned, each with the deferred writes whose own rows it reads."""
@@ -386,14 +384,14 @@ class HitReads:
         return effects
 
     def _touched(self, slots: SlotArray) -> list[tuple[Read, npt.NDArray[np.bool_]]]:
-        """The planned reads some of `slots` fall in, in `_reads` order, each with a mask of its
+        """The planned reads some of `slots` fall in, in planning order, each with a mask of its
         rows that do (a fresh array: the caller may change it).
 
         Each unended step's slots are tested at once against one membership mark of `slots`: a
         write that touches no step's hit rows, the usual one, costs a gather per step, however
         many reads the steps carry.
         """
-        if not self._reads:
+        if not self._step_hits:
             return []
         mark = self._slot_mark
         mark[slots] = True
@@ -491,7 +489,6 @@ class HitReads:
                 hits, bounds[:-1], bounds[1:], strict=True
             )
         ]
-        by_id = self._reads
         step_reads: list[Read] = []
         offsets = self._start_hit_keys
         for key in keys:
@@ -555,7 +552,6 @@ class HitReads:
                         f"{int(missing[i])} of {hi - lo} hidden-state rows are unknown or absent "
                         "(never written, or written by another tenant)"
                     )
-                by_id[read_id] = read
                 req_reads.append(read)
                 step_reads.append(read)
         self._by_step[step_id] = reads
@@ -609,14 +605,7 @@ class HitReads:
         """The step ended: its reads go."""
         self._hit_rows.pop(step_id, None)
         self._step_hits.pop(step_id, None)
-        by_request = self._by_step.pop(step_id, None)
-        if by_request:
-            if not self._by_step:
-                self._reads.clear()  # no other step carries reads: every read was this step's
-                return
-            for reads in by_request.values():
-                for read in reads:
-                    self._reads.pop(read.plan.read_id, None)
+        self._by_step.pop(step_id, None)
 
     # -----------------------------------------------------------------------------------------
     # State.
@@ -635,35 +624,39 @@ class HitReads:
                 for r, (s, first) in sorted(self._start_hits.items())
             ),
             tuple(sorted(self._lost_hits)),
-            tuple(read.canonical() for _, read in sorted(self._reads.items())),
+            tuple(
+                read.canonical()
+                for read in sorted(
+                    (read for _, _, reads in self._step_hits.values() for read in reads),
+                    key=lambda read: read.plan.read_id,
+                )
+            ),
         )
 
     def check_invariants(self) -> None:
-        """Check that the reads by id and by step agree.
+        """Check that the reads per step and per request agree, each filed under its own step.
 
         Raises:
             InvariantError: One does not hold (a bug in this library).
         """
-        by_step = {
-            read.plan.read_id: step_id
-            for step_id, by_request in self._by_step.items()
-            for reads in by_request.values()
-            for read in reads
-        }
-        if by_step.keys() != self._reads.keys():
-            raise InvariantError("the reads by id and by step disagree")
-        listed = [read for _, _, reads in self._step_hits.values() for read in reads]
-        if [read.plan.read_id for read in listed] != list(self._reads):
-            raise InvariantError("the reads listed per step are not the reads by id, in order")
-        for every, bounds, reads in self._step_hits.values():
+        if self._by_step.keys() != self._step_hits.keys():
+            raise InvariantError("the steps with reads per request and in order disagree")
+        seen: set[int] = set()
+        for step_id, (every, bounds, reads) in self._step_hits.items():
+            by_request = [r.plan.read_id for rs in self._by_step[step_id].values() for r in rs]
+            if sorted(by_request) != sorted(read.plan.read_id for read in reads):
+                raise InvariantError(f"step {step_id}'s reads per request and in order disagree")
             hits = len(bounds) - 1
             for i, read in enumerate(reads):
+                read_id = read.plan.read_id
+                if read_id in seen:
+                    raise InvariantError(f"read {read_id} filed under two steps")
+                seen.add(read_id)
+                if read.step_id != step_id:
+                    raise InvariantError(f"read {read_id} filed under another step")
                 lo, hi = bounds[i % hits], bounds[i % hits + 1]
                 if not np.array_equal(every[lo:hi], read.plan.slots):
-                    raise InvariantError(f"read {read.plan.read_id}'s slots are not its step's")
-        for read_id, read in self._reads.items():
-            if by_step[read_id] != read.step_id:
-                raise InvariantError(f"read {read_id} filed under another step")
+                    raise InvariantError(f"read {read_id}'s slots are not its step's")
         if not self._start_hit_lo.keys() <= self._start_hits.keys():
             raise InvariantError("a resume's first hit position without its hit")
 
