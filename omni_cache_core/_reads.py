@@ -385,7 +385,8 @@ class HitReads:
 
     def _touched(self, slots: SlotArray) -> list[tuple[Read, npt.NDArray[np.bool_]]]:
         """The planned reads some of `slots` fall in, in planning order, each with a mask of its
-        rows that do (a fresh array: the caller may change it).
+        rows that do (a view into its step's marks, shared by its other keys' reads: read it,
+        do not change it).
 
         Each unended step's slots are tested at once against one membership mark of `slots`: a
         write that touches no step's hit rows, the usual one, costs a gather per step, however
@@ -405,7 +406,7 @@ class HitReads:
                 for i, read in enumerate(reads):
                     hit = rows[bounds[i % hits] : bounds[i % hits + 1]]
                     if any_true(hit):
-                        touched.append((read, hit.copy()))
+                        touched.append((read, hit))
             return touched
         finally:
             mark[slots] = False
