@@ -73,7 +73,7 @@ class SavePath:
         # Scratch membership marks over the pool's slots, all False between saves: which of an
         # unconsumed step's slots a new write takes (`_preserve_open_steps`). Saves run on one
         # thread (CONC-4), so one scratch serves them all.
-        self._slot_mark = np.zeros(0, dtype=np.bool_)
+        self._slot_mark = np.zeros(self._pool.num_slots, dtype=np.bool_)
 
     def save(
         self,
@@ -232,8 +232,6 @@ class SavePath:
         skipped (its gathers are over), as `EffectInterpreter.preserve_rows`.
         """
         mark = self._slot_mark
-        if len(mark) < self._pool.num_slots:
-            mark = self._slot_mark = np.zeros(self._pool.num_slots, dtype=np.bool_)
         mark[slots] = True
         try:
             for other in others:
