@@ -17,16 +17,19 @@ What `LeastPrefill` does per cycle, all on the calling thread:
   of the library and of `copy1`: one assignment of whole KV blocks through byte views, the blocks
   found once for both keys); one mark of the slots per key in an owner table (a later read must
   know whose rows a slot holds);
-- materialize: per key, the rows of the requests without a hit in one gather into one fresh
+- materialize: per key, the rows of the requests without a hit in one gather into one
   buffer, and each hit request's prefix and own rows next to each other in one gather into one
-  more fresh buffer; every request's rows handed out as a view of those buffers.
+  more buffer; every request's rows handed out as a view of those buffers. The buffers come
+  from the library's `OutputMemory` (D40), as the library's do: one the caller let go of is
+  handed out again, so neither cache faults in new memory every cycle.
 
-So its copies are the library's, and its outputs, like the library's, are new memory every
-cycle: the caller keeps them (`copy1` gathers into buffers it reuses). What it leaves out, all
-of which the library does: every check of its input, the slots' private copy (STEP-3), the
-request records and their lifecycle (DLV), the core's save and consume transactions, the hit
-plans and their protection (HIT-4, HIT-6), the state lock, the write's reports, stats and
-metrics. So its figure is a floor: a correct cache does at least this.
+So its copies are the library's, and its outputs are the caller's, as the library's are: a
+buffer is used again only once nothing else refers to it (`copy1` gathers into buffers it
+owns). What it leaves out, all of which the library does: every check of its input, the slots'
+private copy (STEP-3), the request records and their lifecycle (DLV), the core's save and
+consume transactions, the hit plans and their protection (HIT-4, HIT-6), the state lock, the
+write's reports, stats and metrics. So its figure is a floor: a correct cache does at least
+this.
 
 Both run the same cycles, in alternating rounds of fresh caches, inline (every copy on the one
 thread; the library with its hit prefetch off, as a CPU manager runs by default, and on).
@@ -54,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from adapter_step import (
     BLOCK_SIZE,
+    CAPACITY,
     DTYPE,
     MM_KEY,
     MM_WIDTH,
@@ -71,7 +75,13 @@ from adapter_step import (
 )
 
 from omni_cache_cuda import HIDDEN_KEY, PrefixCacheEventKind
-from omni_cache_cuda._storage import alloc_host, empty_rows, row_bytes, scatter_rows, write_blocks
+from omni_cache_cuda._storage import (
+    OutputMemory,
+    alloc_host,
+    row_bytes,
+    scatter_rows,
+    write_blocks,
+)
 
 FINISHED = PrefixCacheEventKind.FINISHED
 #: Cycles run before the timed ones in every round.
@@ -92,6 +102,9 @@ class LeastPrefill:
         self.tid = 0
         self.slots = np.zeros(0, dtype=np.int64)
         self.bounds: dict[str, tuple[int, int]] = {}
+        # The library's output buffers are bounded by its landing pages' bytes: the same bound.
+        pages = CAPACITY * (width + MM_WIDTH) * DTYPE.itemsize
+        self.outputs = OutputMemory(lambda: pages)
 
     def start(self, step: Any) -> None:
         """The step's events: hits of the requests that start, none of those that end."""
@@ -115,7 +128,7 @@ class LeastPrefill:
         self.bounds = {r: (bounds[i], bounds[i + 1]) for i, r in enumerate(layout.req_ids)}
 
     def materialize(self, req_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """Every request's rows of each key, its hit's first, as views of fresh buffers."""
+        """Every request's rows of each key, its hit's first, as views of a few buffers."""
         slots, bounds, hits = self.slots, self.bounds, self.hits
         plain = [r for r in req_ids if r not in hits]
         hit = [r for r in req_ids if r in hits]
@@ -135,7 +148,7 @@ class LeastPrefill:
         for key, width in self.widths.items():
             views: dict[str, torch.Tensor] = {}
             for names, index, sizes in groups:
-                buffer = empty_rows((len(index), width), DTYPE)
+                buffer = self.outputs.rows((len(index), width), DTYPE)
                 torch.index_select(self.pool[key], 0, torch.from_numpy(index), out=buffer)
                 views.update(zip(names, torch.split(buffer, sizes), strict=True))
             out[key] = views
