@@ -141,7 +141,8 @@ class ConsumePath:
             host = leftover.get(key)
             current[key] = host[:n] if isinstance(host, torch.Tensor) else rows.cpu()
         reads = {(r.req_id, r.key): r for r in plan.reads}
-        rows_of = {req: ctx.req_rows[req] for req in wanted}
+        req_rows = ctx.req_rows
+        rows_of = {req: req_rows[req] for req in wanted}
         # DLV-2: rows of positions already delivered (after a preemption) are cut off the front;
         # SPEC-1: draft rows not confirmed (or rejected) off the back.
         skips: dict[str, int] = {}
@@ -603,7 +604,8 @@ class _StepIndex:
         got = self._plain.get(reqs)
         if got is None:
             ctx = self.ctx
-            spans = np.array([ctx.req_rows[req] for req in reqs], dtype=np.int64).reshape(-1, 2)
+            req_rows = ctx.req_rows
+            spans = np.array([req_rows[req] for req in reqs], dtype=np.int64).reshape(-1, 2)
             lengths = spans[:, 1] - spans[:, 0]
             total = int(lengths.sum())
             if spans[0, 0] == 0 and not np.count_nonzero(spans[1:, 0] != spans[:-1, 1]):
