@@ -142,12 +142,19 @@ class ConsumePath:
             current[key] = host[:n] if isinstance(host, torch.Tensor) else rows.cpu()
         reads = {(r.req_id, r.key): r for r in plan.reads}
         req_rows = ctx.req_rows
-        rows_of = {req: req_rows[req] for req in wanted}
+        cuts = plan.skip is not None or plan.cut_tail
+        # Each wanted request's row range, in the order asked; the step's own mapping where
+        # that is the layout's order and no range is cut (a decode step: 256 entries not made).
+        rows_of = (
+            req_rows
+            if not cuts and wanted == ctx.req_ids
+            else {req: req_rows[req] for req in wanted}
+        )
         # DLV-2: rows of positions already delivered (after a preemption) are cut off the front;
         # SPEC-1: draft rows not confirmed (or rejected) off the back.
         skips: dict[str, int] = {}
         takes: dict[str, int] = {}
-        if plan.skip is not None or plan.cut_tail:
+        if cuts:
             hit_len: dict[str, int] = {r.req_id: len(r.slots) for r in plan.reads}
             if plan.skip is not None:
                 skips = {r: k for r, k in zip(wanted, plan.skip.tolist(), strict=True) if k}
