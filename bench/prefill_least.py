@@ -33,9 +33,12 @@ this.
 
 Both run the same cycles, in alternating rounds of fresh caches, inline (every copy on the one
 thread; the library with its hit prefetch off, as a CPU manager runs by default, and on).
-Per cycle they are timed as `adapter_step.py` times them (process CPU), and the copy baseline
-runs on the same step right after (`adapter_step.CopyBaseline`). The script prints, per cache,
-the median of its quietest round: the cycle, `copy1`, their ratio and the cycle less `copy1`.
+Per cycle they are timed as `adapter_step.py` times them (process CPU), each of the three calls
+on its own too, and the copy baseline runs on the same step right after
+(`adapter_step.CopyBaseline`). The script prints, per cache, the medians of its quietest round:
+the cycle, `copy1`, their ratio, the cycle less `copy1`, and each call (at `--width 16` the
+calls are the caches' fixed work on warm caches, so the two caches' columns say where the
+library's extra work is).
 Before the rounds it checks once that the least cache hands back the rows the library does.
 
 Run: python bench/prefill_least.py [--steps N] [--rounds R] [--width W]
@@ -67,14 +70,13 @@ from adapter_step import (
     WIDTH,
     CopyBaseline,
     PrefillCycle,
-    bench_prefill,
     make_manager,
     prefill_cycles,
     prefill_rows,
     prefill_warm_cycle,
 )
 
-from omni_cache_cuda import HIDDEN_KEY, PrefixCacheEventKind
+from omni_cache_cuda import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheEventKind, StepId
 from omni_cache_cuda._storage import (
     OutputMemory,
     alloc_host,
@@ -155,27 +157,60 @@ class LeastPrefill:
         return out
 
 
-def least_round(steps: int, width: int, baseline: CopyBaseline) -> tuple[list[float], list[float]]:
-    """One round of the least cache: per timed cycle, its process CPU and copy1's."""
+class LibraryPrefill:
+    """The library's manager behind `LeastPrefill`'s three calls, so one loop times both."""
+
+    def __init__(self, manager: OmniPrefixCacheManager) -> None:
+        self.manager = manager
+        self.step_id: StepId | None = None
+
+    def start(self, step: Any) -> None:
+        self.manager.new_step_starts(step)
+
+    def save(self, rows: dict[str, torch.Tensor], n: int, layout: Any) -> None:
+        self.step_id = self.manager.save_outputs(
+            rows[HIDDEN_KEY], {MM_KEY: rows[MM_KEY]}, num_tokens_unpadded=n, write_layout=layout
+        )
+
+    def materialize(self, req_ids: list[str]) -> object:
+        assert self.step_id is not None
+        step_id, self.step_id = self.step_id, None
+        return self.manager.materialize(step_id, req_ids)
+
+
+#: A round's samples: per timed cycle, the process CPU of each call and of copy1, in seconds.
+Round = dict[str, list[float]]
+#: The three calls of a cycle, timed one by one.
+CALLS = ("start", "save", "materialize")
+
+
+def timed_round(
+    cache: LeastPrefill | LibraryPrefill, steps: int, width: int, baseline: CopyBaseline
+) -> Round:
+    """One round of a cache: each call's process CPU per timed cycle, and copy1's."""
     rows, warm_rows = prefill_rows(width)
-    cache = LeastPrefill(width)
     warm = prefill_warm_cycle()
     cache.start(warm.step)
     cache.save({HIDDEN_KEY: warm_rows[0], MM_KEY: warm_rows[1]}, 256, warm.layout)
+    cache.materialize(warm.req_ids)
     keyed = {HIDDEN_KEY: rows[0], MM_KEY: rows[1]}
-    cycles, copies = [], []
+    samples: Round = {name: [] for name in (*CALLS, "cycle", "copy1")}
     for s, cycle in enumerate(prefill_cycles(WARMUP + steps)):
         p0 = time.process_time()
         cache.start(cycle.step)
+        p1 = time.process_time()
         cache.save(keyed, PREFILL_ROWS, cycle.layout)
+        p2 = time.process_time()
         out = cache.materialize(cycle.req_ids)
-        spent = time.process_time() - p0
+        p3 = time.process_time()
         del out
         _, copy1 = baseline.run(rows, cycle.layout.slots_cpu, cycle.hit_slots)
         if s >= WARMUP:
-            cycles.append(spent)
-            copies.append(copy1)
-    return cycles, copies
+            for name, spent in zip(
+                (*CALLS, "cycle", "copy1"), (p1 - p0, p2 - p1, p3 - p2, p3 - p0, copy1), strict=True
+            ):
+                samples[name].append(spent)
+    return samples
 
 
 def check_least(width: int) -> None:
@@ -215,37 +250,38 @@ def main() -> None:
     check_least(args.width)
     baseline = CopyBaseline(args.width)
     caches = ("least", "library, prefetch off", "library, prefetch on")
-    rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in caches}
+    # Per cache and round, the medians of its samples.
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in caches}
     for r in range(args.rounds):
         order = caches if r % 2 == 0 else caches[::-1]
         for name in order:
             if name == "least":
-                cycles, copies = least_round(args.steps, args.width, baseline)
+                samples = timed_round(LeastPrefill(args.width), args.steps, args.width, baseline)
             else:
-                samples = bench_prefill(
-                    False,
-                    args.steps,
-                    WARMUP,
-                    baseline,
-                    prefetch=name.endswith("on"),
-                    width=args.width,
-                )
-                cycles, copies = samples.cpu, samples.copy1
-            rounds[name].append((statistics.median(cycles), statistics.median(copies)))
+                with make_manager(False, prefetch=name.endswith("on")) as manager:
+                    samples = timed_round(LibraryPrefill(manager), args.steps, args.width, baseline)
+                    assert manager.stats().writes_failed == 0
+            rounds[name].append({k: statistics.median(v) for k, v in samples.items()})
     print(
         f"torch {torch.__version__}, CPU, one intra-op thread; prefill 16 x 512, 8 hits, hidden "
         f"width {args.width}, inline; process CPU per cycle, ms, median of the quietest of "
-        f"{args.rounds} alternating rounds of {args.steps} cycles"
+        f"{args.rounds} alternating rounds of {args.steps} cycles; the calls' columns are their "
+        "own medians in that round"
     )
     print(
-        f"{'cache':24} {'cycle':>7} {'copy1':>7} {'x copy1':>8} {'less copy1':>10}   rounds (x copy1)"
+        f"{'cache':24} {'cycle':>7} {'copy1':>7} {'x copy1':>8} {'less copy1':>10} "
+        f"{'start':>7} {'save':>7} {'materialize':>11}   rounds (x copy1)"
     )
     for name in caches:
-        cycle, copy1 = min(rounds[name])
-        spread = ", ".join(f"{c / k:.2f}" for c, k in rounds[name])
+        quietest = min(rounds[name], key=lambda m: (m["cycle"], m["copy1"]))
+        cycle, copy1 = quietest["cycle"], quietest["copy1"]
+        spread = ", ".join(f"{m['cycle'] / m['copy1']:.2f}" for m in rounds[name])
+        calls = " ".join(
+            f"{quietest[call] * 1e3:{w}.3f}" for call, w in zip(CALLS, (7, 7, 11), strict=True)
+        )
         print(
             f"{name:24} {cycle * 1e3:7.3f} {copy1 * 1e3:7.3f} {cycle / copy1:8.2f} "
-            f"{(cycle - copy1) * 1e3:10.3f}   {spread}"
+            f"{(cycle - copy1) * 1e3:10.3f} {calls}   {spread}"
         )
     print(f"target: <= {PREFILL_TARGET_RATIO:.2f} x copy1")
 
