@@ -76,7 +76,13 @@ from adapter_step import (
     prefill_warm_cycle,
 )
 
-from omni_cache_cuda import HIDDEN_KEY, OmniPrefixCacheManager, PrefixCacheEventKind, StepId
+from omni_cache_cuda import (
+    HIDDEN_KEY,
+    OmniPrefixCacheManager,
+    PrefixCacheEventKind,
+    StageCacheOutputs,
+    StepId,
+)
 from omni_cache_cuda._storage import (
     OutputMemory,
     alloc_host,
@@ -172,7 +178,7 @@ class LibraryPrefill:
             rows[HIDDEN_KEY], {MM_KEY: rows[MM_KEY]}, num_tokens_unpadded=n, write_layout=layout
         )
 
-    def materialize(self, req_ids: list[str]) -> object:
+    def materialize(self, req_ids: list[str]) -> StageCacheOutputs:
         assert self.step_id is not None
         step_id, self.step_id = self.step_id, None
         return self.manager.materialize(step_id, req_ids)
@@ -222,17 +228,17 @@ def check_least(width: int) -> None:
     rows, warm_rows = prefill_rows(width)
     cache = LeastPrefill(width)
     with make_manager(False, prefetch=False) as m:
+        library = LibraryPrefill(m)
         warm = prefill_warm_cycle()
         cycles: list[PrefillCycle] = [warm, *prefill_cycles(3)]
         for i, cycle in enumerate(cycles):
             n, saved = (256, warm_rows) if i == 0 else (PREFILL_ROWS, rows)
-            m.new_step_starts(cycle.step)
-            step_id = m.save_outputs(
-                saved[0], {MM_KEY: saved[1]}, num_tokens_unpadded=n, write_layout=cycle.layout
-            )
-            theirs = m.materialize(step_id, cycle.req_ids)
+            keyed = {HIDDEN_KEY: saved[0], MM_KEY: saved[1]}
+            library.start(cycle.step)
+            library.save(keyed, n, cycle.layout)
+            theirs = library.materialize(cycle.req_ids)
             cache.start(cycle.step)
-            cache.save({HIDDEN_KEY: saved[0], MM_KEY: saved[1]}, n, cycle.layout)
+            cache.save(keyed, n, cycle.layout)
             ours = cache.materialize(cycle.req_ids)
             assert theirs.hidden_states is not None
             for req in cycle.req_ids:
