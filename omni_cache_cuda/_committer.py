@@ -166,7 +166,7 @@ class WriteJob:
 
         Found at the first call and kept: every key of the step is written at the same slots,
         and the save's check for repeated slots reads them too (D33). Only the thread running
-        the job calls it.
+        the job calls it (a save that writes its own step calls it just before the write).
         """
         if not self._blocks_found:
             if self.slots is not None:

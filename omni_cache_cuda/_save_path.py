@@ -262,11 +262,13 @@ class SavePath:
         copied into the step's records before the caller may reuse its tensors.
         """
         state = self._state
+        # Found before the write: the slots are still in the CPU's caches then, not after the
+        # step's rows went through them.
+        shadowed = _shadowed_rows(slots, job.write_blocks(self._pool.block_size))
         state.committer.run_now(job)
         rows = job.rows
         job.rows = None  # the caller's tensors are the caller's again once this returns
         assert rows is not None
-        shadowed = _shadowed_rows(slots, job.write_blocks(self._pool.block_size))
         for key, record in ctx.own.items():
             lost = job.lost(key)
             keep = shadowed
