@@ -258,7 +258,9 @@ class CacheCore(CoreQueries):
         if hit_list or reads_back:
             seen_keys = self._slots.seen_keys()
             hit_keys = [k for k in self.policy.get_hit_keys(seen_keys) if k in seen_keys]
-            effects.extend(hits.register(hit_list, self._slots, hit_keys, reads_back))
+            effects.extend(
+                hits.register(hit_list, self._slots, hit_keys, reads_back, prefetch=inp.prefetch)
+            )
             self.counters.hit_requests += len(hit_list)
             self.counters.draft_rows_read_back += sum(len(s) for _, s, _ in reads_back)
         if escalate:

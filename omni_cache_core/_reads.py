@@ -253,8 +253,11 @@ class HitReads:
         tables: SlotTables,
         hit_keys: list[TensorName],
         catch_up: Sequence[tuple[ReqId, SlotArray, int]] = (),
+        *,
+        prefetch: bool = True,
     ) -> list[PrefetchRead]:
-        """Open one read per hit and cached key; ask to prefetch its committed rows (HIT-7).
+        """Open one read per hit and cached key; ask to prefetch its committed rows (HIT-7),
+        unless ``prefetch`` is off (the adapter does not prefetch: nothing to ask).
 
         `hits`: per request, its hit's block ids and first position (above 0 for a resume:
         DLV-3). `catch_up`: per request, the slots of accepted draft rows its last step did
@@ -276,12 +279,14 @@ class HitReads:
         self._next_read_id += len(hits) * len(hit_keys)
         # The usual hit: every row is in the pool (owner COMMITTED, code 0), and one count of
         # the gathered owners says so; only the other keys build a mask of their pending rows.
-        owners = [(key, tables.by_key[key].owner[every]) for key in hit_keys]
+        owners = [(key, tables.by_key[key].owner[every]) for key in hit_keys] if prefetch else []
         pending = {key: owner != COMMITTED for key, owner in owners if np.count_nonzero(owner)}
+        # Without prefetches a hit's reads need nothing here but its slots and first read id.
+        numbered = tuple(enumerate(hit_keys))
+        per_key = numbered if prefetch else ()
         effects: list[PrefetchRead] = []
         ranges: dict[int, npt.NDArray[np.int64]] = {}  # hits are mostly of one length
         start_hits = self._start_hits
-        numbered = tuple(enumerate(hit_keys))
         for (req_id, _, first), lo, hi, ids in zip(
             hits, bounds, bounds[1:], itertools.count(first_id, len(hit_keys))
         ):
@@ -289,10 +294,12 @@ class HitReads:
                 self._start_hit_lo[req_id] = first
             hit_slots = every[lo:hi]
             start_hits[req_id] = (hit_slots, ids)
+            if not per_key:
+                continue
             every_row = ranges.get(hi - lo)  # a hit's rows, read by each key with none pending
             if every_row is None:
                 every_row = ranges[hi - lo] = np.arange(hi - lo)
-            for j, key in numbered:
+            for j, key in per_key:
                 if key not in pending:
                     positions = every_row
                     slots = hit_slots

@@ -109,10 +109,18 @@ class SlotSource(_CodeRepr):
 
 @attrs.frozen(kw_only=True)
 class StartStep:
-    """The engine starts a step: lifecycle records and scheduled counts (`new_step_starts`)."""
+    """The engine starts a step: lifecycle records and scheduled counts (`new_step_starts`).
+
+    Attributes:
+        step: The step's records and counts.
+        now_ns: The clock when the step started.
+        prefetch: Whether the adapter prefetches hits (HIT-7): without, the start asks for no
+            `PrefetchRead` (a CPU manager's default), and plans the same reads.
+    """
 
     step: PrefixCacheStep
     now_ns: int
+    prefetch: bool = True
 
 
 @attrs.frozen(kw_only=True, eq=False)

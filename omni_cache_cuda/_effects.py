@@ -86,7 +86,11 @@ class EffectInterpreter:
         jobs = state.jobs
         with state.lock:
             state.drain()
-            effects = state.core.start_step(StartStep(step=step, now_ns=time.monotonic_ns()))
+            effects = state.core.start_step(
+                StartStep(
+                    step=step, now_ns=time.monotonic_ns(), prefetch=state.prefetcher is not None
+                )
+            )
             # The core forgot the previous start's hits; a start never followed by a save
             # leaves its prefetch records behind.
             state.close_records(state.start_reads)

@@ -132,10 +132,11 @@ def start(
     *events: PrefixCacheRequestEvent,
     now_ns: int = 0,
     computed: dict[str, int] | None = None,
+    prefetch: bool = True,
 ) -> tuple[Effect, ...]:
     """Feed one step's lifecycle records (and computed-token counts: SPEC-2)."""
     step = PrefixCacheStep(events=events, computed_tokens=computed or {})
-    return core.start_step(StartStep(step=step, now_ns=now_ns))
+    return core.start_step(StartStep(step=step, now_ns=now_ns, prefetch=prefetch))
 
 
 def save_input(

@@ -53,6 +53,7 @@ from omni_cache_core._values import (
     AwaitTasks,
     ConsumeBegin,
     ConsumeEnd,
+    ConsumePlan,
     CopyLanded,
     CopyStarted,
     DeferredChunk,
@@ -87,6 +88,7 @@ from tests.core_helpers import (
     effects_of,
     finished,
     land,
+    positions,
     raises_unchanged,
     save,
     save_input,
@@ -1108,6 +1110,35 @@ def test_hit_1_a_start_with_a_hit_asks_to_prefetch_its_committed_rows(
         assert p.slots.tolist() == blocks(0)
     assert len({p.read_id for p in prefetch}) == 2
     assert core.counters.hit_requests == 1
+
+
+def test_hit_7_a_start_without_prefetch_asks_for_none_and_plans_the_same_reads(
+    make_core: MakeCore,
+) -> None:
+    """An adapter that does not prefetch gets no PrefetchRead; the save plans the same reads,
+    read ids included, and the consume hands out the same plan (HIT-7)."""
+    plans = []
+    for prefetch in (True, False):
+        core = make_core()
+        start(core, started("a"))
+        save(core, [("a", blocks(0, 1))], immediate=(HIDDEN_KEY, MM))
+        effects = start(
+            core, started("b", hit_end=2 * BLOCK, block_ids=(0, 1, 2)), prefetch=prefetch
+        )
+        assert bool(effects_of(effects, PrefetchRead)) is prefetch
+        step_id = save(core, [("b", blocks(2))], immediate=(HIDDEN_KEY, MM)).step_id
+        plans.append((core.snapshot(), consume(core, step_id, ["b"])))
+    (with_snapshot, with_plan), (without_snapshot, without_plan) = plans
+    assert without_snapshot == with_snapshot
+
+    def reads(plan: ConsumePlan) -> list[tuple[object, ...]]:
+        return [
+            (r.read_id, r.req_id, r.key, r.slots.tolist(), r.source.tolist()) for r in plan.reads
+        ]
+
+    assert reads(without_plan) == reads(with_plan)
+    assert len(with_plan.reads) == 2
+    assert positions(without_plan) == positions(with_plan) == [(0, 3 * BLOCK)]
 
 
 @pytest.mark.parametrize(
