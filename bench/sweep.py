@@ -177,9 +177,9 @@ class Cycles:
         )
         if not self.lag:
             m.materialize(step_id, reqs)
-        elif self.pending is not None:
-            m.materialize(*self.pending)
-        if self.lag:
+        else:
+            if self.pending is not None:
+                m.materialize(*self.pending)
             self.pending = (step_id, reqs)
         return time.thread_time() - t0
 
