@@ -24,6 +24,8 @@ from omni_cache_cuda import OmniPrefixCacheManager, PrefixCacheConfig, PrefixCac
 from omni_cache_cuda._layout import decode_layout_from_rows, decode_layout_from_table
 from omni_cache_cuda.vllm import VllmPrefixCache
 from omni_cache_cuda.vllm._scheduler_output import TranslationState
+from tests.test_vllm_glue import new_req
+from tests.test_vllm_glue import output as glue_output
 
 BS = 4
 
@@ -36,21 +38,15 @@ def output(
     preempted: set[str],
     resumed: set[str],
 ) -> SimpleNamespace:
-    return SimpleNamespace(
-        num_scheduled_tokens=dict(sched),
-        scheduled_new_reqs=[
-            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new
-        ],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[c[0] for c in cached],
-            new_block_ids=[None if c[1] is None else (c[1],) for c in cached],
-            num_computed_tokens=[c[2] for c in cached],
-            resumed_req_ids=set(resumed),
-        ),
-        finished_req_ids=set(finished),
-        preempted_req_ids=set(preempted),
-        scheduled_spec_decode_tokens={},
-        kv_cache_block_copies=None,
+    """`tests.test_vllm_glue.output` with every part given in order; ``new`` as
+    ``(req_id, blocks, computed)``."""
+    return glue_output(
+        sched,
+        new=[new_req(*n) for n in new],
+        cached=cached,
+        finished=finished,
+        preempted=set(preempted),
+        resumed=resumed,
     )
 
 
